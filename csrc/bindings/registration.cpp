@@ -1,0 +1,28 @@
+// The one TORCH_LIBRARY(veragged, m): every schema of the extension, and the _C module stub.
+//
+// Schemas live here only. Ops with tensor arguments get their kernels from TORCH_LIBRARY_IMPL
+// blocks beside each implementation (CPU, CUDA) and a fake kernel in veragged/ops/_fake.py;
+// host-side ops with no tensor arguments bind their single kernel with the schema.
+
+#include <Python.h>
+#include <torch/library.h>
+
+#include "bindings/ops.h"
+
+extern "C" {
+// `import veragged._C` loads this library, which runs the registrations below. The module has
+// no Python API of its own: everything is reached through torch.ops.veragged.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(veragged, m) {
+  // Host-side planning: plain ints in and out, no tensors, so one kernel serves every backend
+  // and fake-tensor tracing alike (it never touches device memory).
+  m.def(
+      "plan_layout(int[] numels, int[] block_sizes, int world_size, int align) "
+      "-> (int shard_size, int[] starts, int[] permutation, int order)",
+      &veragged::plan_layout_op);
+}
