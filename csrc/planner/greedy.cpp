@@ -20,6 +20,8 @@
 #include "planner/greedy.h"
 
 #include <cstddef>
+#include <map>
+#include <utility>
 
 namespace veragged {
 namespace planner {
@@ -60,6 +62,59 @@ int64_t place_greedy(const std::vector<Item>& items, int64_t shard, int64_t limi
     if (start == kNever || start > limit - items[i].numel) return kNever;
     if (starts != nullptr) (*starts)[i] = start;
     pos = start + items[i].numel;
+  }
+  return pos;
+}
+
+FillClasses make_fill_classes(const std::vector<Item>& items) {
+  FillClasses classes;
+  std::map<std::pair<int64_t, int64_t>, std::size_t> index;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const auto key = std::make_pair(items[i].numel, items[i].block);
+    auto found = index.find(key);
+    if (found == index.end()) {
+      found = index.emplace(key, classes.kinds.size()).first;
+      classes.kinds.push_back(items[i]);
+      classes.members.emplace_back();
+    }
+    classes.members[found->second].push_back(static_cast<int64_t>(i));
+  }
+  return classes;
+}
+
+int64_t place_filling(const FillClasses& classes, int64_t shard, int64_t limit,
+                      std::vector<int64_t>* order, std::vector<int64_t>* starts) {
+  const std::size_t n_classes = classes.kinds.size();
+  std::vector<std::size_t> next(n_classes, 0);  // first unplaced member of each class
+  std::size_t remaining = 0;
+  for (const auto& members : classes.members) remaining += members.size();
+  // On equal padding, larger blocks go first: they are the hard ones to place, while small-block
+  // tensors are kept back to fill the gaps the large ones leave before rank boundaries.
+  auto prefer = [&](std::size_t a, std::size_t b) {
+    if (classes.kinds[a].block != classes.kinds[b].block) {
+      return classes.kinds[a].block > classes.kinds[b].block;
+    }
+    return classes.members[a][next[a]] < classes.members[b][next[b]];
+  };
+  int64_t pos = 0;
+  for (std::size_t placed = 0; placed < remaining; ++placed) {
+    std::size_t chosen = n_classes;
+    int64_t chosen_start = kNever;
+    for (std::size_t c = 0; c < n_classes; ++c) {
+      if (next[c] == classes.members[c].size()) continue;
+      const int64_t start = earliest_start(pos, classes.kinds[c].numel, classes.kinds[c].block, shard);
+      if (start == kNever) continue;
+      if (chosen == n_classes || start < chosen_start ||
+          (start == chosen_start && prefer(c, chosen))) {
+        chosen = c;
+        chosen_start = start;
+      }
+    }
+    if (chosen == n_classes || chosen_start > limit - classes.kinds[chosen].numel) return kNever;
+    if (order != nullptr) (*order)[placed] = classes.members[chosen][next[chosen]];
+    if (starts != nullptr) (*starts)[placed] = chosen_start;
+    ++next[chosen];
+    pos = chosen_start + classes.kinds[chosen].numel;
   }
   return pos;
 }

@@ -26,5 +26,20 @@ int64_t earliest_start(int64_t pos, int64_t numel, int64_t block, int64_t shard)
 int64_t place_greedy(const std::vector<Item>& items, int64_t shard, int64_t limit,
                      std::vector<int64_t>* starts);
 
+// Tensors of equal (numel, block), for the fill order: `kinds[c]` is the shared shape of class c
+// and `members[c]` its tensors' indices in the given order, ascending.
+struct FillClasses {
+  std::vector<Item> kinds;
+  std::vector<std::vector<int64_t>> members;
+};
+
+FillClasses make_fill_classes(const std::vector<Item>& items);
+
+// Like place_greedy, but the order is chosen while placing: next comes the class whose tensor
+// can start earliest (least padding); on ties the larger block, then the lower given index. O(n * classes). Writes the chosen order (indices into the given order)
+// and starts (in that chosen order) when non-null.
+int64_t place_filling(const FillClasses& classes, int64_t shard, int64_t limit,
+                      std::vector<int64_t>* order, std::vector<int64_t>* starts);
+
 }  // namespace planner
 }  // namespace veragged

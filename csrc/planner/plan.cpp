@@ -13,10 +13,13 @@
 // this is what keeps LCM explosion (Megatron-style chunking) from costing padding or time.
 
 #include <algorithm>
+#include <cstddef>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "planner/greedy.h"
 #include "planner/planner.h"
@@ -69,14 +72,19 @@ void check_inputs(const std::vector<int64_t>& numels, const std::vector<int64_t>
   }
 }
 
+// Places the group at a given shard size: returns the end of the placement or kNever, and with
+// non-null outputs, the buffer order (input indices) and each input tensor's start.
+using Placer = std::function<int64_t(int64_t shard, int64_t limit, std::vector<int64_t>* order,
+                                     std::vector<int64_t>* starts)>;
+
 // The smallest shard size found for one tensor order, searching only below `best`.
 class ShardSearch {
  public:
-  ShardSearch(const std::vector<Item>& items, int64_t world_size, int64_t lower)
-      : items_(items), world_size_(world_size), lower_(lower) {}
+  ShardSearch(Placer placer, int64_t world_size, int64_t lower)
+      : placer_(std::move(placer)), world_size_(world_size), lower_(lower) {}
 
   bool feasible(int64_t shard) const {
-    return place_greedy(items_, shard, buffer_end(world_size_, shard), nullptr) != kNever;
+    return placer_(shard, buffer_end(world_size_, shard), nullptr, nullptr) != kNever;
   }
 
   // Smallest feasible multiple of `unit` below `best`, or `best` if none is found.
@@ -105,15 +113,16 @@ class ShardSearch {
   }
 
  private:
-  const std::vector<Item>& items_;
+  Placer placer_;
   int64_t world_size_;
   int64_t lower_;
 };
 
 // Units of the lattices S = k * L in [Note: shard-size search], smallest first, each < best.
 std::vector<int64_t> lattice_units(std::vector<Item> items, int64_t align, int64_t best) {
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.numel > b.numel; });
+  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return a.numel != b.numel ? a.numel > b.numel : a.block > b.block;
+  });
   std::vector<int64_t> units{align};
   int64_t unit = align;
   for (const Item& item : items) {
@@ -123,6 +132,50 @@ std::vector<int64_t> lattice_units(std::vector<Item> items, int64_t align, int64
     if (unit != units.back()) units.push_back(unit);
   }
   return units;
+}
+
+std::vector<Item> items_in(const std::vector<int64_t>& numels,
+                           const std::vector<int64_t>& block_sizes,
+                           const std::vector<int64_t>& perm) {
+  std::vector<Item> items(perm.size());
+  for (std::size_t i = 0; i < perm.size(); ++i) {
+    items[i] = {numels[perm[i]], block_sizes[perm[i]]};
+  }
+  return items;
+}
+
+// A placer for one fixed order `perm` of the input tensors.
+Placer fixed_order(std::vector<Item> items, std::vector<int64_t> perm) {
+  return [items = std::move(items), perm = std::move(perm)](
+             int64_t shard, int64_t limit, std::vector<int64_t>* order,
+             std::vector<int64_t>* starts) {
+    std::vector<int64_t> placed(starts != nullptr ? items.size() : 0);
+    const int64_t end = place_greedy(items, shard, limit, starts != nullptr ? &placed : nullptr);
+    if (order != nullptr) *order = perm;
+    if (starts != nullptr) {
+      for (std::size_t i = 0; i < perm.size(); ++i) (*starts)[perm[i]] = placed[i];
+    }
+    return end;
+  };
+}
+
+// A placer for the fill order (place_filling), or nullptr when the group has too many classes.
+Placer fill_order(const std::vector<Item>& items) {
+  FillClasses classes = make_fill_classes(items);
+  if (classes.kinds.size() > kMaxFillClasses) return nullptr;
+  return [classes = std::move(classes), n = items.size()](
+             int64_t shard, int64_t limit, std::vector<int64_t>* order,
+             std::vector<int64_t>* starts) {
+    std::vector<int64_t> chosen(starts != nullptr || order != nullptr ? n : 0);
+    std::vector<int64_t> placed(starts != nullptr ? n : 0);
+    const int64_t end = place_filling(classes, shard, limit, chosen.empty() ? nullptr : &chosen,
+                                      placed.empty() ? nullptr : &placed);
+    if (order != nullptr) *order = chosen;
+    if (starts != nullptr) {
+      for (std::size_t i = 0; i < n; ++i) (*starts)[chosen[i]] = placed[i];
+    }
+    return end;
+  };
 }
 
 std::vector<int64_t> order_permutation(const std::vector<int64_t>& numels,
@@ -151,6 +204,8 @@ const char* order_name(Order order) {
       return "block_size";
     case Order::kShape:
       return "shape";
+    case Order::kFill:
+      return "fill";
   }
   return "unknown";
 }
@@ -160,7 +215,7 @@ Plan plan_layout(const std::vector<int64_t>& numels, const std::vector<int64_t>&
   check_inputs(numels, block_sizes, world_size, align);
   const int64_t total = std::accumulate(numels.begin(), numels.end(), int64_t{0});
   int64_t max_block = 0;  // a block lies inside one shard, so S >= every non-empty block
-  for (size_t t = 0; t < numels.size(); ++t) {
+  for (std::size_t t = 0; t < numels.size(); ++t) {
     if (numels[t] > 0) max_block = std::max(max_block, block_sizes[t]);
   }
 
@@ -173,43 +228,44 @@ Plan plan_layout(const std::vector<int64_t>& numels, const std::vector<int64_t>&
   const int64_t lower = round_up(std::max(ceil_div(total, world_size), max_block), align);
   // Everything in rank 0's shard never crosses a boundary, so this is always feasible.
   int64_t best = round_up(total, align);
-  Order best_order = Order::kGiven;
-  std::vector<int64_t> best_perm = plan.permutation;
+  Placer best_placer = fixed_order(items_in(numels, block_sizes, plan.permutation),
+                                   plan.permutation);
+  const std::vector<int64_t> units =
+      lattice_units(items_in(numels, block_sizes, plan.permutation), align, best);
 
   std::vector<std::vector<int64_t>> tried;
-  for (Order order : {Order::kGiven, Order::kBlockSize, Order::kShape}) {
+  for (Order order : {Order::kGiven, Order::kBlockSize, Order::kShape, Order::kFill}) {
     if (best == lower) break;  // nothing can beat the lower bound
-    std::vector<int64_t> perm = order_permutation(numels, block_sizes, order);
-    if (std::find(tried.begin(), tried.end(), perm) != tried.end()) continue;
-    std::vector<Item> items(perm.size());
-    for (size_t i = 0; i < perm.size(); ++i) items[i] = {numels[perm[i]], block_sizes[perm[i]]};
-    const ShardSearch search(items, world_size, lower);
-    for (int64_t unit : lattice_units(items, align, best)) {
+    Placer placer;
+    if (order == Order::kFill) {
+      placer = fill_order(items_in(numels, block_sizes, plan.permutation));
+      if (!placer) continue;
+    } else {
+      std::vector<int64_t> perm = order_permutation(numels, block_sizes, order);
+      if (std::find(tried.begin(), tried.end(), perm) != tried.end()) continue;
+      tried.push_back(perm);
+      std::vector<Item> items = items_in(numels, block_sizes, perm);
+      placer = fixed_order(std::move(items), std::move(perm));
+    }
+    const ShardSearch search(placer, world_size, lower);
+    for (int64_t unit : units) {
+      if (unit >= best) break;
       const int64_t found = search.smallest_multiple(unit, best);
       if (found < best) {
         best = found;
-        best_order = order;
-        best_perm = perm;
+        plan.order = order;
+        best_placer = placer;
       }
     }
-    tried.push_back(std::move(perm));
   }
 
-  std::vector<Item> items(best_perm.size());
-  for (size_t i = 0; i < best_perm.size(); ++i) {
-    items[i] = {numels[best_perm[i]], block_sizes[best_perm[i]]};
-  }
-  std::vector<int64_t> placed(items.size());
-  place_greedy(items, best, buffer_end(world_size, best), &placed);
-  for (size_t i = 0; i < best_perm.size(); ++i) plan.starts[best_perm[i]] = placed[i];
   if (best > kMax / world_size) {
     fail("the buffer of world_size = " + std::to_string(world_size) + " shards of " +
          std::to_string(best) + " elements overflows int64");
   }
+  best_placer(best, buffer_end(world_size, best), &plan.permutation, &plan.starts);
   plan.shard_size = best;
   plan.padding = world_size * best - total;
-  plan.permutation = std::move(best_perm);
-  plan.order = best_order;
   return plan;
 }
 

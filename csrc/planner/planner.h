@@ -4,6 +4,7 @@
 // GoogleTest binary under tests/cpp.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -24,13 +25,17 @@ namespace planner {
 // Consumers (DBuffer views, fully_shard, AdamW8bit's block alignment) rely on 1-3 only;
 // validate() checks exactly these rules.
 
-// Which tensor order a plan was built with. The planner tries all three and keeps the best,
-// preferring the earlier one on ties.
+// Which tensor order a plan was built with. The planner tries each and keeps the best, preferring
+// the earlier one on ties. The first three are the paper's; kFill is ours (see greedy.h).
 enum class Order : int64_t {
   kGiven = 0,      // the caller's order
   kBlockSize = 1,  // block size descending, stable
   kShape = 2,      // block size descending, then numel descending (groups equal shapes), stable
+  kFill = 3,       // chosen while placing: least padding first (place_filling)
 };
+
+// kFill costs O(classes) per tensor; groups with more distinct (numel, block) classes skip it.
+constexpr std::size_t kMaxFillClasses = 64;
 
 const char* order_name(Order order);
 

@@ -12,7 +12,7 @@ import torch
 __all__ = ["Layout", "plan", "ORDERS"]
 
 #: Tensor orders the planner tries, in its tie-breaking preference (csrc/planner/planner.h).
-ORDERS = ("given", "block_size", "shape")
+ORDERS = ("given", "block_size", "shape", "fill")
 
 _INT64_MAX = 2**63 - 1
 
@@ -30,7 +30,8 @@ class Layout:
         ranges: per input tensor, in input order, its ``(start, end)`` in the global buffer.
         block_sizes: per input tensor, its block size in elements (as given).
         world_size: number of ranks.
-        order: which tensor order gave this layout: ``"given"``, ``"block_size"`` or ``"shape"``.
+        order: which tensor order gave this layout: ``"given"``, ``"block_size"``, ``"shape"``
+            (the paper's three) or ``"fill"`` (chosen while placing, least padding first).
         permutation: input indices in buffer order.
     """
 
@@ -66,14 +67,13 @@ class Layout:
 
 
 def _as_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            value = operator.index(value)
-        except TypeError:
-            raise TypeError(f"{name} must be an int, got {value!r}") from None
+    if type(value) is not int:  # bool is an int subclass but never a size
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+        value = operator.index(value)
     if not -_INT64_MAX - 1 <= value <= _INT64_MAX:
         raise ValueError(f"{name} = {value} does not fit in int64")
-    return int(value)
+    return value
 
 
 def plan(
@@ -97,9 +97,18 @@ def plan(
             and the values.
         TypeError: a size is not an int.
     """
-    numels = tuple(_as_int(f"numels[{i}]", v) for i, v in enumerate(numels))
-    block_sizes = tuple(_as_int(f"block_sizes[{i}]", v) for i, v in enumerate(block_sizes))
-    return _plan_cached(numels, block_sizes, _as_int("world_size", world_size), _as_int("align", align))
+    numels = _as_ints("numels", numels)
+    block_sizes = _as_ints("block_sizes", block_sizes)
+    return _plan_cached(
+        numels, block_sizes, _as_int("world_size", world_size), _as_int("align", align)
+    )
+
+
+def _as_ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
+    out = tuple(values)
+    if all(type(v) is int for v in out) and all(-_INT64_MAX - 1 <= v <= _INT64_MAX for v in out):
+        return out
+    return tuple(_as_int(f"{name}[{i}]", v) for i, v in enumerate(out))
 
 
 @functools.lru_cache(maxsize=512)

@@ -1,0 +1,131 @@
+"""veragged.plan: the binding, its errors, and agreement with the pure-Python reference."""
+
+import random
+
+import pytest
+
+import veragged
+from veragged.planner import Layout, plan
+from veragged.planner._reference import reference_plan
+
+
+def check_layout(layout: Layout, numels, blocks, world_size, align=1):
+    """Every rule of [Note: planner layout contract], checked from the Python side."""
+    s = layout.shard_size
+    assert s % align == 0
+    assert layout.padding == world_size * s - sum(numels)
+    spans = sorted((r[0], r[1]) for r in layout.ranges if r[1] > r[0])
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert end <= start, "tensors overlap"
+    for t, ((start, end), e, g) in enumerate(zip(layout.ranges, numels, blocks)):
+        assert end - start == e and 0 <= start and end <= world_size * s
+        if s:
+            for b in range((start // s + 1) * s, end, s):
+                assert (b - start) % g == 0, f"tensor {t}: block cut at {b}"
+        assert sum(layout.units[t]) == e // g
+        assert len(layout.units[t]) == world_size
+
+
+def test_plan_example():
+    layout = plan([6, 4, 12], [3, 2, 3], 4)
+    assert layout.shard_size == 6
+    assert layout.padding == 2
+    assert layout.ranges == ((0, 6), (6, 10), (12, 24))
+    assert layout.units == ((2, 0, 0, 0), (0, 2, 0, 0), (0, 0, 2, 2))
+    assert layout.order == "given"
+    assert layout.permutation == (0, 1, 2)
+    assert veragged.plan is plan
+
+
+def test_layout_is_frozen_and_cached():
+    a = plan([10, 20], [1, 5], 3)
+    assert plan([10, 20], [1, 5], 3) is a
+    with pytest.raises(AttributeError):
+        a.shard_size = 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (([10, 9], [5, 2], 2), r"block_sizes\[1\] = 2 does not divide numels\[1\] = 9"),
+        (([10, -4], [5, 2], 2), r"numels\[1\] must be >= 0, got -4"),
+        (([10], [0], 2), r"block_sizes\[0\] must be >= 1, got 0"),
+        (([10], [-3], 2), r"block_sizes\[0\] must be >= 1, got -3"),
+        (([10], [5], 0), r"world_size must be >= 1, got 0"),
+        (([10], [5], 2, 0), r"align must be >= 1, got 0"),
+        (([10], [5, 1], 2), r"same length, got 1 and 2"),
+        (([2**63], [1], 2), r"numels\[0\] = 9223372036854775808 does not fit in int64"),
+    ],
+)
+def test_errors_name_the_values(args, message):
+    with pytest.raises(ValueError, match=message):
+        plan(*args)
+
+
+def test_type_errors():
+    with pytest.raises(TypeError, match=r"numels\[0\] must be an int"):
+        plan([1.5], [1], 2)
+    with pytest.raises(TypeError, match="world_size must be an int"):
+        plan([4], [1], True)
+
+
+def test_edge_cases():
+    check_layout(plan([], [], 4), [], [], 4)
+    empty = plan([0, 0], [3, 1], 2)
+    assert empty.shard_size == 0 and empty.units == ((0, 0), (0, 0))
+    one = plan([5, 7], [5, 7], 1)
+    assert one.shard_size == 12 and one.padding == 0
+    # A tensor smaller than one shard, next to one spanning many ranks.
+    numels, blocks = [3, 12 * 100], [3, 12]
+    layout = plan(numels, blocks, 64)
+    check_layout(layout, numels, blocks, 64)
+    # Whole-tensor blocks land on one rank each.
+    whole = plan([8, 8, 8], [8, 8, 8], 3)
+    assert whole.shard_size == 8
+    assert sorted(max(u) for u in whole.units) == [1, 1, 1]
+
+
+def test_hundred_thousand_ranks():
+    numels = [7168 * 2048, 2048 * 7168, 7168, 129280 * 7168]
+    blocks = [7168, 2048, 1, 7168]
+    layout = plan(numels, blocks, 100_000, align=64)
+    assert layout.shard_size % 64 == 0
+    for t, (start, end) in enumerate(layout.ranges):
+        s = layout.shard_size
+        for rank, count in layout.rank_units(t).items():
+            assert count * blocks[t] == min(end, (rank + 1) * s) - max(start, rank * s)
+    assert sum(sum(layout.rank_units(t).values()) for t in range(4)) == sum(
+        e // g for e, g in zip(numels, blocks)
+    )
+
+
+def random_group(rng: random.Random):
+    n = rng.randint(1, 7)
+    numels, blocks = [], []
+    for _ in range(n):
+        row = rng.choice([1, 2, 3, 5, 8])
+        rows = rng.choice([0, rng.randint(1, 30)])
+        kind = rng.randrange(3)
+        block = 1 if kind == 0 else row if kind == 1 else max(row * rows, 1)
+        numels.append(row * rows)
+        blocks.append(block)
+    return numels, blocks, rng.randint(1, 6), rng.choice([1, 1, 2, 4])
+
+
+def test_agrees_with_reference_on_random_groups():
+    rng = random.Random(5)
+    # A group where only sorting by shape (block, then numel) reaches the smallest shard.
+    orders = {plan([6, 6, 4, 28, 9], [6, 1, 4, 4, 3], 3).order}
+    assert reference_plan([6, 6, 4, 28, 9], [6, 1, 4, 4, 3], 3)[2] == "shape"
+    for _ in range(400):
+        numels, blocks, m, align = random_group(rng)
+        layout = plan(numels, blocks, m, align)
+        check_layout(layout, numels, blocks, m, align)
+        shard, starts, order = reference_plan(numels, blocks, m, align)
+        assert (layout.shard_size, [r[0] for r in layout.ranges], layout.order) == (
+            shard,
+            starts,
+            order,
+        ), (numels, blocks, m, align)
+        orders.add(order)
+    assert orders == {"given", "block_size", "shape", "fill"}, "every order wins somewhere"
