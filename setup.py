@@ -58,9 +58,10 @@ def choose_cuda():
 
 def make_extension():
     build_cuda, reason = choose_cuda()
-    print(f"veragged: {'CUDA' if build_cuda else 'CPU-only'} build ({reason})", flush=True)
     cpp = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
     cu = sorted(glob.glob("csrc/**/cuda/*.cu", recursive=True)) if build_cuda else []
+    sources = f"{len(cpp)} C++ and {len(cu)} CUDA sources"
+    print(f"veragged: {'CUDA' if build_cuda else 'CPU-only'} build ({reason}; {sources})", flush=True)
     debug = os.environ.get("DEBUG", "0") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
     macros = [("VERAGGED_WITH_CUDA", "1")] if build_cuda else []
