@@ -56,10 +56,13 @@ int64_t earliest_start(int64_t pos, int64_t numel, int64_t block, int64_t shard)
 
 int64_t place_greedy(const std::vector<Item>& items, int64_t shard, int64_t limit,
                      std::vector<int64_t>* starts) {
+  int64_t unplaced = 0;  // numel still to place: a start past limit - unplaced cannot fit
+  for (const Item& item : items) unplaced += item.numel;
   int64_t pos = 0;
   for (std::size_t i = 0; i < items.size(); ++i) {
     const int64_t start = earliest_start(pos, items[i].numel, items[i].block, shard);
-    if (start == kNever || start > limit - items[i].numel) return kNever;
+    if (start == kNever || start > limit - unplaced) return kNever;
+    unplaced -= items[i].numel;
     if (starts != nullptr) (*starts)[i] = start;
     pos = start + items[i].numel;
   }
@@ -87,7 +90,11 @@ int64_t place_filling(const FillClasses& classes, int64_t shard, int64_t limit,
   const std::size_t n_classes = classes.kinds.size();
   std::vector<std::size_t> next(n_classes, 0);  // first unplaced member of each class
   std::size_t remaining = 0;
-  for (const auto& members : classes.members) remaining += members.size();
+  int64_t unplaced = 0;  // as in place_greedy
+  for (std::size_t c = 0; c < n_classes; ++c) {
+    remaining += classes.members[c].size();
+    unplaced += classes.kinds[c].numel * static_cast<int64_t>(classes.members[c].size());
+  }
   // On equal padding, larger blocks go first: they are the hard ones to place, while small-block
   // tensors are kept back to fill the gaps the large ones leave before rank boundaries.
   auto prefer = [&](std::size_t a, std::size_t b) {
@@ -110,7 +117,8 @@ int64_t place_filling(const FillClasses& classes, int64_t shard, int64_t limit,
         chosen_start = start;
       }
     }
-    if (chosen == n_classes || chosen_start > limit - classes.kinds[chosen].numel) return kNever;
+    if (chosen == n_classes || chosen_start > limit - unplaced) return kNever;
+    unplaced -= classes.kinds[chosen].numel;
     if (order != nullptr) (*order)[placed] = classes.members[chosen][next[chosen]];
     if (starts != nullptr) (*starts)[placed] = chosen_start;
     ++next[chosen];
