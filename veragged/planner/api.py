@@ -106,7 +106,10 @@ def plan(
 
 def _as_ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
     out = tuple(values)
-    if all(type(v) is int for v in out) and all(-_INT64_MAX - 1 <= v <= _INT64_MAX for v in out):
+    # Fast path in C loops (groups can hold thousands of tensors); the slow one names the culprit.
+    if not out or (
+        set(map(type, out)) == {int} and min(out) >= -_INT64_MAX - 1 and max(out) <= _INT64_MAX
+    ):
         return out
     return tuple(_as_int(f"{name}[{i}]", v) for i, v in enumerate(out))
 
