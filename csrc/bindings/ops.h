@@ -1,7 +1,6 @@
 // Declarations of the op entry points that registration.cpp binds to schemas.
 #pragma once
 
-#include <ATen/core/ATen_fwd.h>
 #include <c10/util/ArrayRef.h>
 
 #include <cstdint>

@@ -1,8 +1,9 @@
 // The one TORCH_LIBRARY(veragged, m): every schema of the extension, and the _C module stub.
 //
-// Schemas live here only. Ops with tensor arguments get their kernels from TORCH_LIBRARY_IMPL
-// blocks beside each implementation (CPU, CUDA) and a fake kernel in veragged/ops/_fake.py;
-// host-side ops with no tensor arguments bind their single kernel with the schema.
+// Schemas live here only. Ops with tensor arguments take their kernels from TORCH_LIBRARY_IMPL
+// blocks beside each implementation (CPU, CUDA) plus a registered fake kernel (none exist yet:
+// the first are the DBuffer kernels); host-side ops with no tensor arguments bind their single
+// kernel with the schema.
 
 #include <Python.h>
 #include <torch/library.h>
