@@ -60,6 +60,8 @@ from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
+from veragged.planner.validate import check_layout
+
 if __package__:
     from .model_shapes import MODELS
 else:
@@ -107,25 +109,11 @@ def least_padding(numels, blocks, m):
     return m * best - sum(numels)
 
 
-def check_layout(layout, numels, blocks, m):
-    """Raise if a layout breaks the contract the padding figures rely on."""
-    size = layout.shard_size
-    assert layout.padding == m * size - sum(numels), "padding != m * S - sum(numels)"
-    prev_end = 0
-    for (start, end), numel, block in sorted(zip(layout.ranges, numels, blocks, strict=True)):
-        assert end - start == numel and start >= prev_end and end <= m * size, "bad range"
-        prev_end = end
-        for boundary in range((start // size + 1) * size, end, size):
-            assert (boundary - start) % block == 0, "block cut by a rank boundary"
-
-
 def time_model(plan, inputs, m, repeats):
     """Best wall time (s) of planning every group in turn, and the layouts."""
-    clear = getattr(plan, "cache_clear", None)
     best = math.inf
     for _ in range(repeats):
-        if clear:
-            clear()
+        plan.cache_clear()
         start = time.perf_counter()
         layouts = [plan(numels, blocks, m) for numels, blocks in inputs]
         best = min(best, time.perf_counter() - start)
@@ -168,20 +156,20 @@ def misses_of(row, in_sweep):
 
 def bench_point(plan, inputs, shape_counts, m, repeats):
     seconds, layouts = time_model(plan, inputs, m, repeats)
-    for layout, (numels, blocks) in zip(layouts, inputs, strict=True):
-        check_layout(layout, numels, blocks, m)
-        assert layout.padding >= least_padding(numels, blocks, m), "lower bound above a real layout"
+    bounds = [least_padding(numels, blocks, m) for numels, blocks in inputs]
+    for layout, (numels, _), bound in zip(layouts, inputs, bounds, strict=True):
+        check_layout(layout, numels)
+        assert layout.padding >= bound, "lower bound above a real layout"
     padding = {
         "veragged": sum(layout.padding for layout in layouts),
         "fsdp2": fsdp2_padding(shape_counts, m),
         "megatron": sum(megatron_padding(n, b, m) for n, b in inputs),
-        "bound": sum(least_padding(n, b, m) for n, b in inputs),
+        "bound": sum(bounds),
     }
-    cold = time_cold(plan, inputs, m, repeats) if hasattr(plan, "cache_clear") else None
     return {
         "padding": padding,
         "plan_ms": 1e3 * seconds,
-        "cold_ms": None if cold is None else 1e3 * cold,
+        "cold_ms": 1e3 * time_cold(plan, inputs, m, repeats),
         "orders": dict(Counter(str(layout.order) for layout in layouts)),
     }
 
@@ -214,15 +202,13 @@ def print_table(models, rows, out):
             f"{info['groups']} FSDP groups",
             file=out,
         )
-    cold = rows[0]["cold_ms"] is not None
     head = ["model", "rows", "m", "veragged %", "FSDP2 %", "Megatron %", "bound %", "plan ms"]
-    head += ["cold ms"] if cold else []
-    head += ["misses"]
+    head += ["cold ms", "misses"]
     lines = []
     for r in rows:
         line = [r["model"], f"{r['rows']}x", str(r["fsdp_size"])]
         line += [fmt_pct(r["percent"][key]) for key in ("veragged", "fsdp2", "megatron", "bound")]
-        line += [f"{r['plan_ms']:.2f}"] + ([f"{r['cold_ms']:.2f}"] if cold else [])
+        line += [f"{r['plan_ms']:.2f}", f"{r['cold_ms']:.2f}"]
         line += [",".join(r["misses"]) or "-"]
         lines.append(line)
     widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
@@ -349,7 +335,7 @@ def main(argv=None):
             "paper_pct": {"default": 3.0, "GPT-OSS-120B 128x": 18.0},
             "time_ms_at_1024": TIME_LIMIT_MS,
         },
-        "plan_cache": hasattr(plan, "cache_clear"),
+        "plan_cache": True,
         "rows": rows,
         "misses": summary,
         "plot": args.plot or None,

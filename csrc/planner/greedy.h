@@ -36,8 +36,9 @@ struct FillClasses {
 FillClasses make_fill_classes(const std::vector<Item>& items);
 
 // Like place_greedy, but the order is chosen while placing: next comes the class whose tensor
-// can start earliest (least padding); on ties the larger block, then the lower given index. O(n * classes). Writes the chosen order (indices into the given order)
-// and starts (in that chosen order) when non-null.
+// can start earliest (least padding); on ties the larger block, then the lower given index.
+// O(n * classes). Writes the chosen order (indices into the given order) and starts (in that
+// chosen order) when non-null.
 int64_t place_filling(const FillClasses& classes, int64_t shard, int64_t limit,
                       std::vector<int64_t>* order, std::vector<int64_t>* starts);
 

@@ -228,17 +228,16 @@ Plan plan_layout(const std::vector<int64_t>& numels, const std::vector<int64_t>&
   const int64_t lower = round_up(std::max(ceil_div(total, world_size), max_block), align);
   // Everything in rank 0's shard never crosses a boundary, so this is always feasible.
   int64_t best = round_up(total, align);
-  Placer best_placer = fixed_order(items_in(numels, block_sizes, plan.permutation),
-                                   plan.permutation);
-  const std::vector<int64_t> units =
-      lattice_units(items_in(numels, block_sizes, plan.permutation), align, best);
+  const std::vector<Item> given = items_in(numels, block_sizes, plan.permutation);
+  Placer best_placer = fixed_order(given, plan.permutation);
+  const std::vector<int64_t> units = lattice_units(given, align, best);
 
   std::vector<std::vector<int64_t>> tried;
   for (Order order : {Order::kGiven, Order::kBlockSize, Order::kShape, Order::kFill}) {
     if (best == lower) break;  // nothing can beat the lower bound
     Placer placer;
     if (order == Order::kFill) {
-      placer = fill_order(items_in(numels, block_sizes, plan.permutation));
+      placer = fill_order(given);
       if (!placer) continue;
     } else {
       std::vector<int64_t> perm = order_permutation(numels, block_sizes, order);

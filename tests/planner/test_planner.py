@@ -1,29 +1,21 @@
 """veragged.plan: the binding, its errors, and agreement with the pure-Python reference."""
 
+import dataclasses
 import random
 
 import pytest
 
 import veragged
 from veragged.planner import Layout, plan
+from veragged.planner import validate
 from veragged.planner._reference import reference_plan
 
 
 def check_layout(layout: Layout, numels, blocks, world_size, align=1):
-    """Every rule of [Note: planner layout contract], checked from the Python side."""
-    s = layout.shard_size
-    assert s % align == 0
-    assert layout.padding == world_size * s - sum(numels)
-    spans = sorted((r[0], r[1]) for r in layout.ranges if r[1] > r[0])
-    for (_, end), (start, _) in zip(spans, spans[1:]):
-        assert end <= start, "tensors overlap"
-    for t, ((start, end), e, g) in enumerate(zip(layout.ranges, numels, blocks)):
-        assert end - start == e and 0 <= start and end <= world_size * s
-        if s:
-            for b in range((start // s + 1) * s, end, s):
-                assert (b - start) % g == 0, f"tensor {t}: block cut at {b}"
-        assert sum(layout.units[t]) == e // g
-        assert len(layout.units[t]) == world_size
+    assert layout.block_sizes == tuple(blocks) and layout.world_size == world_size
+    validate.check_layout(layout, numels, align)
+    assert all(len(units) == world_size for units in layout.units)
+    assert [sum(units) for units in layout.units] == [e // g for e, g in zip(numels, blocks)]
 
 
 def test_plan_example():
@@ -60,6 +52,19 @@ def test_layout_is_frozen_and_cached():
 def test_errors_name_the_values(args, message):
     with pytest.raises(ValueError, match=message):
         plan(*args)
+
+
+def test_check_layout_rejects_broken_layouts():
+    good = plan([6, 4], [3, 2], 2)
+    validate.check_layout(good, [6, 4])
+    cut = dataclasses.replace(good, shard_size=5, padding=0, ranges=((1, 7), (7, 11)))
+    with pytest.raises(ValueError, match="block cut by the rank boundary at 5"):
+        validate.check_layout(cut, [6, 4])
+    overlap = dataclasses.replace(good, ranges=((0, 6), (4, 8)))
+    with pytest.raises(ValueError, match="tensor 1: range"):
+        validate.check_layout(overlap, [6, 4])
+    with pytest.raises(ValueError, match="not a multiple of align 4"):
+        validate.check_layout(good, [6, 4], align=4)
 
 
 def test_type_errors():
