@@ -3,7 +3,32 @@
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from veragged import _C  # noqa: F401  (registers torch.ops.veragged.*)
+from veragged.placement import (
+    RaggedDTensor,
+    RaggedShard,
+    RedistributeHandle,
+    StridedRaggedShard,
+    distribute_tensor,
+    from_local,
+    local_numel_and_offset,
+    redistribute,
+)
 from veragged.planner import Layout, plan
 
-__all__ = ["Layout", "plan"]
+# `veragged.DTensor.from_local(...)` reads like torch's and also accepts RaggedShard placements.
+DTensor = RaggedDTensor
+
+__all__ = [
+    "DTensor",
+    "Layout",
+    "RaggedDTensor",
+    "RaggedShard",
+    "RedistributeHandle",
+    "StridedRaggedShard",
+    "distribute_tensor",
+    "from_local",
+    "local_numel_and_offset",
+    "plan",
+    "redistribute",
+]
 __version__ = "0.1.0"

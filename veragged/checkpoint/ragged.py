@@ -1,0 +1,96 @@
+"""Distributed checkpoint hooks of RaggedShard DTensors: each rank's range as rectangular boxes.
+
+DCP describes a rank's share of a tensor as N-D boxes (`ChunkStorageMetadata`) and reshards on
+load by intersecting the saved boxes with the loading ones, so any two layouts that describe
+themselves as boxes load into each other: other world sizes, other `local_units`, torch's
+`Shard(0)`, plain tensors. A rank's rows of a RaggedShard are a contiguous row-major range of the
+block's flattened `dims`; `torch.ops.veragged.flat_range_boxes` cuts it into at most 2k-1 boxes
+(see [Note: flat range boxes]), each a contiguous slice of the local tensor, so saving reads and
+loading writes the local storage through views: no communication, no copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor.placement_types import Partial
+
+from veragged.placement.layout import ragged_layout
+
+__all__ = ["create_chunk_list", "create_write_items", "get_tensor_shard", "local_boxes"]
+
+
+class Box(NamedTuple):
+    offsets: torch.Size  # in the global tensor
+    sizes: torch.Size
+    start: int  # flat offset of the box's first element in the local tensor
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_boxes(shape: tuple[int, ...], mesh, placements: tuple) -> tuple[Box, ...]:
+    layout = ragged_layout(shape, mesh, placements)
+    if layout.local_numel == 0:
+        return ()
+    k = len(layout.placement.dims)
+    block, origin = layout.block_shape, layout.block_offset
+    if k == 0:
+        return (Box(torch.Size(origin), torch.Size(block), 0),)
+    prefix, rest = list(block[:k]), list(block[k:])
+    flat = torch.ops.veragged.flat_range_boxes(prefix, layout.begin, layout.end)
+    boxes = []
+    for b in range(0, len(flat), 2 * k):
+        offs, sizes = flat[b : b + k], flat[b + k : b + 2 * k]
+        row = 0
+        for o, s in zip(offs, prefix):
+            row = row * s + o
+        full_offs = [o + g for o, g in zip(offs + [0] * len(rest), origin)]
+        boxes.append(Box(torch.Size(full_offs), torch.Size(sizes + rest), (row - layout.begin) * layout.row_numel))
+    return tuple(boxes)
+
+
+def local_boxes(dt) -> tuple[Box, ...]:
+    """This rank's boxes of RaggedShard DTensor `dt`, in local storage order."""
+    return _local_boxes(tuple(dt.shape), dt.device_mesh, dt.placements)
+
+
+def _check_no_partial(dt) -> None:
+    if any(isinstance(p, Partial) for p in dt.placements):
+        raise ValueError(f"checkpointing a DTensor with Partial placements {dt.placements} is not supported")
+
+
+def create_chunk_list(dt) -> list[ChunkStorageMetadata]:
+    _check_no_partial(dt)
+    return [ChunkStorageMetadata(offsets=b.offsets, sizes=b.sizes) for b in local_boxes(dt)]
+
+
+def create_write_items(fqn: str, dt) -> list[WriteItem]:
+    _check_no_partial(dt)
+    properties = TensorProperties.create_from_tensor(dt._local_tensor)
+    return [
+        WriteItem(
+            index=MetadataIndex(fqn, b.offsets),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=b.offsets, sizes=b.sizes), properties=properties, size=dt.size()
+            ),
+        )
+        for b in local_boxes(dt)
+    ]
+
+
+def get_tensor_shard(dt, index: MetadataIndex) -> torch.Tensor:
+    """The local view holding the box that starts at `index.offset`."""
+    boxes = local_boxes(dt)
+    hint = index.index
+    if hint is not None and 0 <= hint < len(boxes) and boxes[hint].offsets == index.offset:
+        box = boxes[hint]
+    else:
+        box = next((b for b in boxes if b.offsets == index.offset), None)
+        if box is None:
+            raise ValueError(f"no local box of {index.fqn!r} starts at offset {list(index.offset)}")
+    return dt._local_tensor[box.start : box.start + math.prod(box.sizes)].view(box.sizes)

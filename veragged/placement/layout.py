@@ -1,0 +1,194 @@
+"""Where a RaggedShard DTensor's elements live: validation, the LCM rule and per-rank ranges.
+
+[Note: ragged layout on an N-D mesh]
+At most one mesh dim carries a RaggedShard (or StridedRaggedShard). The other mesh dims carry
+Replicate, Partial or an even `Shard(d)`. The ragged split is applied last: torch computes the
+block this rank holds under the other placements (the RaggedShard counted as Replicate), and the
+block's leading `dims` are then split into whole rows (see [Note: RaggedShard semantics]). Two rules
+keep this consistent with DTensor's "placements are applied in mesh order" reading and with
+checkpoint boxes:
+- `Shard(d)`, d > 0 (TP row/column): the ragged rows must not cut dim d, i.e. `dims` must stop
+  before d (k <= d). `normalize_placements` applies the paper's LCM rule: the granularity becomes
+  lcm(prod(shape[k:]), prod(shape[d:])) elements, which is rows of `shape[d:]`, i.e. `dims[:d]`.
+  Then sharding dim d before or after the ragged split gives the same local data.
+- `Shard(0)` on a later mesh dim than the RaggedShard (FSDP over EP/TP, applied first): the
+  placement must be a `StridedRaggedShard` whose `split_factor` is the number of dim-0 pieces, so the
+  order of application is recorded in the placements.
+Every check here depends only on shapes and the mesh, so all ranks raise or pass together.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from veragged.placement.ragged_shard import RaggedShard, StridedRaggedShard
+
+__all__ = ["RaggedLayout", "check_placements", "normalize_placements", "ragged_layout", "ragged_mesh_dim"]
+
+
+def ragged_mesh_dim(placements: Sequence[Placement]) -> int | None:
+    """Index of the ragged placement in `placements`, or None; ValueError if there are several."""
+    found = [i for i, p in enumerate(placements) if isinstance(p, RaggedShard)]
+    if len(found) > 1:
+        raise ValueError(f"placements may hold at most one RaggedShard, got {tuple(placements)}")
+    return found[0] if found else None
+
+
+def _dim0_split_after(mesh: DeviceMesh, placements: Sequence[Placement], i: int) -> int:
+    return math.prod(mesh.size(j) for j in range(i + 1, len(placements)) if placements[j] == Shard(0))
+
+
+def check_placements(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> int | None:
+    """Validate `placements` for a tensor of `shape` on `mesh`; return the ragged mesh dim (or None).
+
+    Raises ValueError naming the offending values; see [Note: ragged layout on an N-D mesh].
+    """
+    placements = tuple(placements)
+    if len(placements) != mesh.ndim:
+        raise ValueError(f"placements {placements} must have one entry per mesh dim ({mesh.ndim})")
+    i = ragged_mesh_dim(placements)
+    if i is None:
+        return None
+    ragged = placements[i]
+    shape = tuple(shape)
+    if ragged.num_ranks != mesh.size(i):
+        raise ValueError(
+            f"{ragged!r} has {ragged.num_ranks} local_units but mesh dim {i} has {mesh.size(i)} ranks"
+        )
+    if len(ragged.dims) > len(shape):
+        raise ValueError(f"{ragged!r}: dims {ragged.dims} do not fit a tensor of shape {list(shape)}")
+    for j, p in enumerate(placements):
+        if j == i or isinstance(p, (Replicate, Partial)):
+            continue
+        if type(p) is not Shard:
+            raise ValueError(f"{p!r} cannot be combined with a RaggedShard (placements {placements})")
+        d = p.dim if p.dim >= 0 else p.dim + len(shape)
+        if shape[d] % mesh.size(j):
+            raise ValueError(
+                f"Shard({d}) on mesh dim {j} next to a RaggedShard needs dim {d} (size {shape[d]}) to be "
+                f"divisible by the mesh dim size {mesh.size(j)}"
+            )
+        if 0 < d < len(ragged.dims):
+            raise ValueError(
+                f"{ragged!r} cuts dim {d}, which Shard({d}) on mesh dim {j} shards; use dims="
+                f"{tuple(range(d))} (the LCM rule; veragged.distribute_tensor applies it)"
+            )
+    split = _dim0_split_after(mesh, placements, i)
+    strided = isinstance(ragged, StridedRaggedShard)
+    if split > 1 and not (strided and ragged.split_factor == split):
+        raise ValueError(
+            f"{ragged!r} on mesh dim {i} is applied after Shard(0) on a later mesh dim; spell it "
+            f"StridedRaggedShard({ragged.dims}, local_units, split_factor={split})"
+        )
+    if split == 1 and strided and ragged.split_factor != 1:
+        raise ValueError(f"{ragged!r} needs Shard(0) on later mesh dims with {ragged.split_factor} pieces")
+    layout = ragged_layout(shape, mesh, placements)
+    ragged.check_rows(layout.rows)
+    return i
+
+
+def normalize_placements(
+    shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
+) -> tuple[Placement, ...]:
+    """Apply the LCM rule and the StridedRaggedShard spelling, then validate.
+
+    A RaggedShard whose `dims` cut a dim that `Shard(d)` shards keeps its `local_units` but gets
+    `dims=(0, ..., d-1)`; one applied after a later mesh dim's `Shard(0)` becomes a
+    `StridedRaggedShard`. Negative Shard dims are normalised.
+    """
+    placements = list(placements)
+    if len(placements) != mesh.ndim:
+        raise ValueError(f"placements {tuple(placements)} must have one entry per mesh dim ({mesh.ndim})")
+    for j, p in enumerate(placements):
+        if type(p) is Shard and p.dim < 0:
+            placements[j] = Shard(p.dim + len(shape))
+    i = ragged_mesh_dim(placements)
+    if i is not None:
+        ragged = placements[i]
+        k = len(ragged.dims)
+        for p in placements:
+            if type(p) is Shard and 0 < p.dim < k:
+                k = p.dim
+        split = _dim0_split_after(mesh, placements, i)
+        if split > 1:
+            placements[i] = StridedRaggedShard(tuple(range(k)), ragged.local_units, split)
+        elif k != len(ragged.dims) or isinstance(ragged, StridedRaggedShard):
+            placements[i] = RaggedShard(tuple(range(k)), ragged.local_units)
+    placements = tuple(placements)
+    check_placements(shape, mesh, placements)
+    return placements
+
+
+@dataclass(frozen=True)
+class RaggedLayout:
+    """This rank's share of a RaggedShard DTensor; see [Note: ragged layout on an N-D mesh].
+
+    Attributes:
+        mesh_dim: the mesh dim carrying the ragged placement.
+        placement: that placement.
+        block_shape, block_offset: the block this rank holds under the other placements, and its
+            offset in the global tensor (the whole tensor on a 1-D mesh).
+        rows, row_numel: rows of the block's flattened `dims`, and elements per row.
+        coordinate: this rank's index along `mesh_dim`.
+        begin, end: the rows `[begin, end)` of the block this rank holds.
+    """
+
+    mesh_dim: int
+    placement: RaggedShard
+    block_shape: tuple[int, ...]
+    block_offset: tuple[int, ...]
+    rows: int
+    row_numel: int
+    coordinate: int
+    begin: int
+    end: int
+
+    @property
+    def local_numel(self) -> int:
+        return (self.end - self.begin) * self.row_numel
+
+    @property
+    def flat_offset(self) -> int:
+        """Offset of the local elements in the row-major block."""
+        return self.begin * self.row_numel
+
+    @functools.cached_property
+    def bounds(self) -> tuple[int, ...]:
+        """Element bounds of every rank of the mesh dim in the block: rank r holds [b[r], b[r+1])."""
+        units = self.placement._units
+        return tuple(p * self.rows // units.total * self.row_numel for p in units.prefix)
+
+    @functools.cached_property
+    def max_local_numel(self) -> int:
+        b = self.bounds
+        return max(b[r + 1] - b[r] for r in range(len(b) - 1))
+
+
+@functools.lru_cache(maxsize=4096)
+def _ragged_layout(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]) -> RaggedLayout:
+    i = ragged_mesh_dim(placements)
+    ragged = placements[i]
+    others = tuple(Replicate() if j == i else p for j, p in enumerate(placements))
+    block_shape, block_offset = compute_local_shape_and_global_offset(shape, mesh, others)
+    k = len(ragged.dims)
+    rows, row_numel = math.prod(block_shape[:k]), math.prod(block_shape[k:])
+    coordinate = mesh.get_coordinate()[i]
+    begin, end = ragged.row_range(rows, coordinate)
+    return RaggedLayout(i, ragged, tuple(block_shape), tuple(block_offset), rows, row_numel, coordinate, begin, end)
+
+
+def ragged_layout(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> RaggedLayout:
+    """The cached `RaggedLayout` of this rank for a tensor of `shape` (placements hold a RaggedShard)."""
+    return _ragged_layout(tuple(shape), mesh, tuple(placements))
+
+
+def spec_layout(spec) -> RaggedLayout:
+    """`ragged_layout` of a DTensorSpec."""
+    return ragged_layout(spec.tensor_meta.shape, spec.mesh, spec.placements)

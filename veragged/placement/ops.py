@@ -1,0 +1,293 @@
+"""Which torch ops run on RaggedShard DTensors, and how.
+
+[Note: ops on RaggedShard DTensors]
+Torch's sharding propagation does not know RaggedShard: depending on the version an op on one
+fails, or silently returns a Replicate DTensor holding only local data. `RaggedDTensor` therefore
+takes every op itself through `__torch_function__` (which all supported torch versions call for a
+DTensor subclass; 2.11's C++ dispatch fast path skips a subclass's `__torch_dispatch__`):
+- Metadata (`shape`, `dtype`, `grad`, `size()`, ...) is answered by torch as for any DTensor.
+- Element-wise ops (aten ops tagged `pointwise`), `_foreach_*` ops, fused optimizer kernels and
+  the `*_like` factories run on the local tensors, because elementwise math on the local shards is
+  the shard of elementwise math on the whole tensor. The DTensor arguments must have identical
+  layouts (per list position for `_foreach_*`); other tensors must be 0-dim (scalars or Replicate
+  DTensors). The Python function runs on the local tensors under `_Allowlist`, a dispatch mode
+  that lets only those aten ops through, so a composite function that reduces or reshapes
+  inside raises instead of computing on one shard.
+- `torch.linalg.vector_norm` over all dims and `torch._foreach_norm` (what `clip_grad_norm_`
+  calls) reduce locally and then all-reduce once over the sharded mesh dims; they return
+  Replicate DTensors, which torch handles from there.
+- Everything else raises NotImplementedError naming the op. Autograd does not flow through
+  these ops: a differentiable op on an input that requires grad, with grad mode on, raises too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["handle_torch_function"]
+
+aten = torch.ops.aten
+
+# Tensor properties and methods that only read DTensor metadata: torch answers them.
+_META_PROPERTIES = frozenset(
+    "shape dtype device requires_grad grad _grad is_leaf ndim layout grad_fn is_cuda is_cpu is_meta "
+    "_base is_sparse is_quantized is_nested names itemsize nbytes retains_grad output_nr _version "
+    "_post_accumulate_grad_hooks _backward_hooks".split()
+)
+_META_METHODS = frozenset(
+    getattr(torch.Tensor, name)
+    for name in (
+        "size dim numel stride nelement element_size requires_grad_ register_hook retain_grad backward "
+        "get_device is_floating_point is_complex __format__ register_post_accumulate_grad_hook "
+        "_is_view is_contiguous storage_offset"
+    ).split()
+)
+_FACTORIES = frozenset(
+    op.default for op in (aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.detach, aten.alias)
+) | {aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, aten.copy_.default, aten._to_copy.default}
+_FUSED_OPTIMIZER_PREFIXES = ("_fused_adam", "_fused_sgd", "_fused_adagrad")
+_FOREACH_REDUCTIONS = frozenset({"_foreach_norm", "_foreach_max"})
+# Ops whose outputs carry no gradient, so they may run while inputs require grad.
+_NON_DIFFERENTIABLE = _FACTORIES - {aten.copy_.default, aten._to_copy.default, aten.alias.default}
+
+
+def _allowed(func) -> bool:
+    if func in _FACTORIES:
+        return True
+    tags = func.tags
+    if torch.Tag.nondeterministic_seeded in tags:
+        return False
+    if torch.Tag.pointwise in tags:
+        return True
+    name = func._schema.name.split("::", 1)[-1]
+    if name.startswith("_foreach_"):
+        return name not in _FOREACH_REDUCTIONS
+    return name.startswith(_FUSED_OPTIMIZER_PREFIXES)
+
+
+def _unsupported(func, placements) -> NotImplementedError:
+    return NotImplementedError(
+        f"{func} is not supported on RaggedShard DTensors (placements {tuple(placements)}): only "
+        "element-wise ops, _foreach_* ops, fused optimizer ops, *_like factories, "
+        "torch.linalg.vector_norm over all dims and clip_grad_norm_ run on them; redistribute to "
+        "Replicate or Shard first"
+    )
+
+
+class _Allowlist(TorchDispatchMode):
+    """Let through only the aten ops that are correct on local shards; see the Note above."""
+
+    def __init__(self, placements):
+        super().__init__()
+        self.placements = placements
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not _allowed(func):
+            raise _unsupported(func, self.placements)
+        return func(*args, **(kwargs or {}))
+
+
+def _is_ragged_dt(x) -> bool:
+    from veragged.placement.dtensor import RaggedDTensor
+
+    return isinstance(x, RaggedDTensor)
+
+
+def _same_layout(a: DTensor, b: DTensor) -> bool:
+    return a._spec.mesh == b._spec.mesh and a._spec.placements == b._spec.placements and a.shape == b.shape
+
+
+def _layout_error(name, a: DTensor, b: DTensor) -> ValueError:
+    return ValueError(
+        f"{name}: RaggedShard DTensor operands must have identical layouts, got shape {list(a.shape)} "
+        f"placements {a.placements} and shape {list(b.shape)} placements {b.placements}"
+    )
+
+
+def _unwrap_scalar(name, t: torch.Tensor):
+    """A non-ragged tensor operand: allowed if 0-dim (its value is the same on every rank)."""
+    if t.dim() != 0:
+        raise ValueError(
+            f"{name}: a RaggedShard DTensor can only be combined with RaggedShard DTensors of the same "
+            f"layout or with 0-dim tensors, got a {type(t).__name__} of shape {list(t.shape)}"
+        )
+    if isinstance(t, DTensor):
+        if any(isinstance(p, Partial) for p in t.placements):
+            raise ValueError(f"{name}: a 0-dim Partial DTensor operand must be reduced first ({t.placements})")
+        return t._local_tensor
+    return t
+
+
+def _unwrap(name: str, args, kwargs):
+    """Replace DTensors by local tensors; return (args, kwargs, layout reference per output slot)."""
+    refs: dict[int, DTensor] = {}  # list position (or -1 for non-list operands) -> layout reference
+    locals_to_dt: dict[int, DTensor] = {}
+
+    def check(dt: DTensor, slot: int) -> None:
+        ref = refs.setdefault(slot, dt)
+        if ref is not dt and not _same_layout(ref, dt):
+            raise _layout_error(name, ref, dt)
+
+    def leaf(x, slot: int):
+        if _is_ragged_dt(x):
+            check(x, slot)
+            locals_to_dt[id(x._local_tensor)] = x
+            return x._local_tensor
+        if isinstance(x, torch.Tensor):
+            return _unwrap_scalar(name, x)
+        return x
+
+    def arg(x):
+        if isinstance(x, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in x):
+            return type(x)(leaf(e, i) for i, e in enumerate(x))
+        return tree_map(lambda e: leaf(e, -1), x)
+
+    uargs = tuple(arg(a) for a in args)
+    ukwargs = {k: arg(v) for k, v in kwargs.items()}
+    if -1 in refs:  # a lone DTensor operand next to lists: it must match every list position
+        for slot, ref in refs.items():
+            if slot != -1 and not _same_layout(ref, refs[-1]):
+                raise _layout_error(name, refs[-1], ref)
+    return uargs, ukwargs, refs, locals_to_dt
+
+
+def _wrap(out, refs, locals_to_dt):
+    from veragged.placement.dtensor import RaggedDTensor
+
+    def one(t, slot: int):
+        if not isinstance(t, torch.Tensor):
+            return t
+        same = locals_to_dt.get(id(t))
+        if same is not None and same._local_tensor is t:
+            return same  # in-place op: hand back the DTensor itself
+        ref = refs.get(slot, refs.get(-1))
+        if ref is None or t.shape != ref._local_tensor.shape:
+            raise RuntimeError(f"internal error: output of shape {list(t.shape)} cannot be wrapped as a RaggedShard DTensor")
+        return RaggedDTensor._wrap(t, ref._spec)
+
+    if isinstance(out, (list, tuple)):
+        return type(out)(one(t, i if len(refs) > 1 or -1 not in refs else -1) for i, t in enumerate(out))
+    return one(out, -1)
+
+
+def _check_autograd(func, args, kwargs) -> None:
+    if not torch.is_grad_enabled() or func in _NON_DIFFERENTIABLE:
+        return
+    flat, _ = tree_flatten((args, kwargs))
+    if any(_is_ragged_dt(x) and x.requires_grad for x in flat):
+        raise NotImplementedError(
+            f"{func}: autograd does not flow through ops on RaggedShard DTensors; run it under "
+            "torch.no_grad() or redistribute to Replicate/Shard first"
+        )
+
+
+def _name(func) -> str:
+    return getattr(func, "__name__", None) or str(func)
+
+
+# --- norms -------------------------------------------------------------------------------------
+
+
+def _sharded_mesh_dims(dt: DTensor) -> tuple[int, ...]:
+    for p in dt.placements:
+        if isinstance(p, Partial):
+            raise ValueError(f"the norm of a DTensor with Partial placements {dt.placements} needs a reduction first")
+    return tuple(i for i, p in enumerate(dt.placements) if not isinstance(p, Replicate))
+
+
+def _norm_parts(locals_: list[torch.Tensor], ord: float, dtype) -> torch.Tensor:
+    """Per tensor, the local quantity whose all-reduce gives the global norm (see `_finish_norm`)."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    parts = []
+    for t in locals_:
+        t = t.to(dtype) if dtype is not None else t
+        if t.numel() == 0:
+            parts.append(torch.tensor(math.inf if ord == -math.inf else 0.0, dtype=acc, device=t.device))
+        elif ord in (math.inf, -math.inf, 0):
+            parts.append(torch.linalg.vector_norm(t, ord).to(acc))
+        else:
+            parts.append(torch.linalg.vector_norm(t, ord).to(acc).pow(ord))
+    return torch.stack(parts)
+
+
+def _reduce_op(ord: float):
+    return {math.inf: dist.ReduceOp.MAX, -math.inf: dist.ReduceOp.MIN}.get(ord, dist.ReduceOp.SUM)
+
+
+def _global_norms(dts: list[DTensor], ord, dtype) -> list[DTensor]:
+    """Norms of whole RaggedShard DTensors as 0-dim Replicate DTensors; one all-reduce per mesh dim."""
+    ord = float(ord)
+    out: list[DTensor | None] = [None] * len(dts)
+    groups: dict[tuple, list[int]] = {}
+    for i, dt in enumerate(dts):
+        groups.setdefault((dt.device_mesh, _sharded_mesh_dims(dt)), []).append(i)
+    for (mesh, mesh_dims), index in groups.items():
+        parts = _norm_parts([dts[i]._local_tensor for i in index], ord, dtype)
+        for d in mesh_dims:
+            dist.all_reduce(parts, op=_reduce_op(ord), group=mesh.get_group(d))
+        if ord not in (math.inf, -math.inf, 0):
+            parts = parts.pow(1.0 / ord)
+        for j, i in enumerate(index):
+            value = parts[j].to(dtype or dts[i].dtype)
+            out[i] = DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return out
+
+
+def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
+    if out is not None:
+        raise NotImplementedError("torch.linalg.vector_norm(out=...) is not supported on RaggedShard DTensors")
+    if dim is not None:
+        dims = {d % x.dim() for d in ((dim,) if isinstance(dim, int) else dim)} if x.dim() else set()
+        if dims != set(range(x.dim())):
+            raise NotImplementedError(
+                f"torch.linalg.vector_norm(dim={dim}) on a RaggedShard DTensor: only the norm over all dims is supported"
+            )
+    (norm,) = _global_norms([x], ord, dtype)
+    if keepdim:
+        norm = norm.reshape([1] * x.dim())
+    return norm
+
+
+def _foreach_norm(tensors, ord=2, dtype=None):
+    if not all(_is_ragged_dt(t) for t in tensors):
+        raise ValueError("torch._foreach_norm: lists mixing RaggedShard DTensors with other tensors are not supported")
+    return _global_norms(list(tensors), ord, dtype)
+
+
+_SPECIAL = {torch.linalg.vector_norm: _vector_norm, torch._foreach_norm: _foreach_norm}
+
+
+def handle_torch_function(func, args, kwargs):
+    """`RaggedDTensor.__torch_function__`; see [Note: ops on RaggedShard DTensors]."""
+    if func in _META_METHODS or (
+        _name(func) in ("__get__", "__set__") and getattr(func.__self__, "__name__", None) in _META_PROPERTIES
+    ):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    special = _SPECIAL.get(func)
+    if special is not None:
+        return special(*args, **kwargs)
+    _check_autograd(func, args, kwargs)
+    uargs, ukwargs, refs, locals_to_dt = _unwrap(_name(func), args, kwargs)
+    placements = next(iter(refs.values())).placements if refs else ()
+    with torch._C.DisableTorchFunctionSubclass(), _Allowlist(placements):
+        out = func(*uargs, **ukwargs)
+    return _wrap(out, refs, locals_to_dt)
+
+
+def handle_torch_dispatch(func, args, kwargs):
+    """`RaggedDTensor.__torch_dispatch__`: aten ops that reach the subclass without a torch function
+    call (e.g. gradient accumulation in the autograd engine, on torch versions that call it)."""
+    if not _allowed(func):
+        flat, _ = tree_flatten((args, kwargs))
+        dt = next(x for x in flat if _is_ragged_dt(x))
+        raise _unsupported(func, dt.placements)
+    uargs, ukwargs, refs, locals_to_dt = _unwrap(str(func), args, kwargs)
+    return _wrap(func(*uargs, **ukwargs), refs, locals_to_dt)
