@@ -14,4 +14,12 @@ namespace veragged {
 std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>, int64_t> plan_layout_op(
     c10::IntArrayRef numels, c10::IntArrayRef block_sizes, int64_t world_size, int64_t align);
 
+// flat_range_boxes(int[] shape, int begin, int end) -> int[]
+//   flattened boxes: per box, its k offsets then its k sizes (placement/boxes.h)
+std::vector<int64_t> flat_range_boxes_op(c10::IntArrayRef shape, int64_t begin, int64_t end);
+
+// interval_overlaps(int[] src_bounds, int[] dst_bounds, int rank) -> (int[] send, int[] recv)
+std::tuple<std::vector<int64_t>, std::vector<int64_t>> interval_overlaps_op(
+    c10::IntArrayRef src_bounds, c10::IntArrayRef dst_bounds, int64_t rank);
+
 }  // namespace veragged

@@ -26,4 +26,11 @@ TORCH_LIBRARY(veragged, m) {
       "plan_layout(int[] numels, int[] block_sizes, int world_size, int align) "
       "-> (int shard_size, int[] starts, int[] permutation, int order)",
       &veragged::plan_layout_op);
+  // Host-side RaggedShard box and interval math (checkpointing, redistribution): same pattern.
+  m.def("flat_range_boxes(int[] shape, int begin, int end) -> int[]",
+        &veragged::flat_range_boxes_op);
+  m.def(
+      "interval_overlaps(int[] src_bounds, int[] dst_bounds, int rank) "
+      "-> (int[] send, int[] recv)",
+      &veragged::interval_overlaps_op);
 }
