@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _gather_state_dict
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -53,8 +54,13 @@ def _save_on_4(path):
         boxes = {k: len(v.__create_write_items__(k, v)) for k, v in saved.items() if k != "c"}
         for k, v in saved.items():
             for chunk in v.__create_chunk_list__():
-                v.__get_tensor_shard__(torch.distributed.checkpoint.metadata.MetadataIndex(k, chunk.offsets))
+                v.__get_tensor_shard__(
+                    torch.distributed.checkpoint.metadata.MetadataIndex(k, chunk.offsets)
+                )
     dcp.save(saved, checkpoint_id=path)
+    # torch's full-state-dict gather (get_state_dict(full_state_dict=True)) calls redistribute.
+    gathered = _gather_state_dict(saved)
+    full_ok = all(torch.equal(gathered[k], _full(k)) for k in saved)
     loaded = {
         "a": _empty_like_layout(_dtensor("a", RaggedShard((0,), (0, 3, 3, 1)))),
         "b": _empty_like_layout(_dtensor("b", Shard(0))),
@@ -63,7 +69,8 @@ def _save_on_4(path):
         "d": _empty_like_layout(_dtensor("d", RaggedShard((), (0, 1, 0, 0)))),
     }
     dcp.load(loaded, checkpoint_id=path)
-    return {"boxes": boxes, "comms": comm.get_total_counts(), "loaded": _check_loaded(loaded)}
+    checks = {"full_state_dict": full_ok, **_check_loaded(loaded)}
+    return {"boxes": boxes, "comms": comm.get_total_counts(), "loaded": checks}
 
 
 def _load_on_2_then_save(src, dst):
@@ -115,7 +122,9 @@ def _boxes_tile_the_tensor():
     dt = _dtensor("b", RaggedShard((0, 1, 2), (17, 13, 0, 30)))
     out = []
     for chunk in dt.__create_chunk_list__():
-        view = dt.__get_tensor_shard__(torch.distributed.checkpoint.metadata.MetadataIndex("b", chunk.offsets))
+        view = dt.__get_tensor_shard__(
+            torch.distributed.checkpoint.metadata.MetadataIndex("b", chunk.offsets)
+        )
         out.append((tuple(chunk.offsets), tuple(chunk.sizes), view.clone()))
     return dist.get_rank(), out
 
@@ -141,7 +150,9 @@ def _from_shard0_checkpoint(path, save):
         "a": _empty_like_layout(_dtensor("a", RaggedShard((0, 1), (0, 91, 0, 0)))),
     }
     dcp.load(state, checkpoint_id=path)
-    return all(_check_loaded(state).values()) and all(isinstance(v, DTensor) for v in state.values())
+    return all(_check_loaded(state).values()) and all(
+        isinstance(v, DTensor) for v in state.values()
+    )
 
 
 def test_torch_shard0_checkpoint_loads_into_ragged(tmp_path):

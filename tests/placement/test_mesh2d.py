@@ -31,31 +31,52 @@ def _compositions(path):
     full = _full((8, 3), 1)
     dt = veragged.distribute_tensor(full, mesh, [RaggedShard((0,), (1, 3)), Shard(0)])
     res["strided_spelling"] = dt.placements == (StridedRaggedShard((0,), (1, 3), 2), Shard(0))
-    res["strided_local"] = torch.equal(dt.to_local(), _block_slice(full[tp * 4 : tp * 4 + 4], dt.placements[0], dp))
+    res["strided_local"] = torch.equal(
+        dt.to_local(), _block_slice(full[tp * 4 : tp * 4 + 4], dt.placements[0], dp)
+    )
     res["strided_full"] = torch.equal(dt.full_tensor(), full)
-    res["strided_gather_dp"] = torch.equal(dt.redistribute(mesh, [Replicate(), Shard(0)]).to_local(), full[tp * 4 : tp * 4 + 4])
+    res["strided_gather_dp"] = torch.equal(
+        dt.redistribute(mesh, [Replicate(), Shard(0)]).to_local(), full[tp * 4 : tp * 4 + 4]
+    )
     moved = dt.redistribute(mesh, [StridedRaggedShard((0,), (4, 0), 2), Shard(0)])
-    res["strided_to_root"] = torch.equal(moved.full_tensor(), full) and moved.to_local().numel() == (12 if dp == 0 else 0)
+    res["strided_to_root"] = torch.equal(
+        moved.full_tensor(), full
+    ) and moved.to_local().numel() == (12 if dp == 0 else 0)
     # (RaggedShard, Shard(1)): the LCM rule keeps the ragged rows whole across dim 1.
     full2 = _full((4, 6), 2)
     dt2 = veragged.distribute_tensor(full2, mesh, [RaggedShard((0, 1), (1, 1)), Shard(1)])
     res["lcm_dims"] = dt2.placements == (RaggedShard((0,), (1, 1)), Shard(1))
-    res["lcm_local"] = torch.equal(dt2.to_local(), full2[dp * 2 : dp * 2 + 2, tp * 3 : tp * 3 + 3].reshape(-1))
+    res["lcm_local"] = torch.equal(
+        dt2.to_local(), full2[dp * 2 : dp * 2 + 2, tp * 3 : tp * 3 + 3].reshape(-1)
+    )
     res["lcm_full"] = torch.equal(dt2.full_tensor(), full2)
     # (Shard(0), RaggedShard) and HSDP-style (Replicate, RaggedShard).
     full3 = _full((6, 5), 3)
     dt3 = veragged.distribute_tensor(full3, mesh, [Shard(0), RaggedShard((0, 1), (4, 11))])
     res["shard_then_ragged"] = torch.equal(dt3.full_tensor(), full3)
     dt4 = veragged.distribute_tensor(full3, mesh, [Replicate(), RaggedShard((0,), (0, 1))])
-    res["hsdp"] = torch.equal(dt4.full_tensor(), full3) and torch.equal(dt4.to_local(), full3.reshape(-1) if tp == 1 else full3.reshape(-1)[:0])
+    res["hsdp"] = torch.equal(dt4.full_tensor(), full3) and torch.equal(
+        dt4.to_local(), full3.reshape(-1) if tp == 1 else full3.reshape(-1)[:0]
+    )
     partial = DTensor.from_local(full3, mesh, [Partial(), Replicate()])
-    res["partial_then_ragged"] = torch.allclose(veragged.redistribute(partial, mesh, [Replicate(), RaggedShard((0,), (1, 1))]).full_tensor(), 2 * full3)
+    res["partial_then_ragged"] = torch.allclose(
+        veragged.redistribute(
+            partial, mesh, [Replicate(), RaggedShard((0,), (1, 1))]
+        ).full_tensor(),
+        2 * full3,
+    )
     # from_local with the explicit StridedRaggedShard, and the norm over both mesh dims.
-    again = veragged.DTensor.from_local(dt.to_local(), mesh, dt.placements, shape=full.shape, stride=full.stride())
+    again = veragged.DTensor.from_local(
+        dt.to_local(), mesh, dt.placements, shape=full.shape, stride=full.stride()
+    )
     res["from_local"] = torch.equal(again.full_tensor(), full)
-    res["norm"] = torch.allclose(torch.linalg.vector_norm(dt).full_tensor(), torch.linalg.vector_norm(full))
+    res["norm"] = torch.allclose(
+        torch.linalg.vector_norm(dt).full_tensor(), torch.linalg.vector_norm(full)
+    )
     # Backward through the 2-step gather.
-    x = veragged.distribute_tensor(full.clone().requires_grad_(), mesh, [RaggedShard((0,), (1, 3)), Shard(0)])
+    x = veragged.distribute_tensor(
+        full.clone().requires_grad_(), mesh, [RaggedShard((0,), (1, 3)), Shard(0)]
+    )
     (x.full_tensor() * full).sum().backward()
     res["backward"] = torch.equal(x.grad.to_local(), dt.to_local())
     dcp.save({"strided": dt, "lcm": dt2, "shard_ragged": dt3, "hsdp": dt4}, checkpoint_id=path)
@@ -65,13 +86,22 @@ def _compositions(path):
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_compositions_on_2x2_mesh(tmp_path):
     path = str(tmp_path / "ckpt")
-    for res in run_on_ranks(_compositions, 4, mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"), args=(path,), timeout=180):
+    for res in run_on_ranks(
+        _compositions, 4, mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"), args=(path,), timeout=180
+    ):
         assert all(res.values()), res
-    plain = {"strided": torch.empty(8, 3), "lcm": torch.empty(4, 6), "shard_ragged": torch.empty(6, 5), "hsdp": torch.empty(6, 5)}
+    plain = {
+        "strided": torch.empty(8, 3),
+        "lcm": torch.empty(4, 6),
+        "shard_ragged": torch.empty(6, 5),
+        "hsdp": torch.empty(6, 5),
+    }
     dcp.load(plain, checkpoint_id=path, no_dist=True)
     assert torch.equal(plain["strided"], _full((8, 3), 1))
     assert torch.equal(plain["lcm"], _full((4, 6), 2))
-    assert torch.equal(plain["shard_ragged"], _full((6, 5), 3)) and torch.equal(plain["hsdp"], _full((6, 5), 3))
+    assert torch.equal(plain["shard_ragged"], _full((6, 5), 3)) and torch.equal(
+        plain["hsdp"], _full((6, 5), 3)
+    )
 
 
 def _error(fn):
@@ -89,23 +119,43 @@ def _bad_input():
     dt = veragged.distribute_tensor(full, mesh, [RaggedShard((0,), (1, 1, 1, 3))])
     wrong_numel = full.reshape(-1)[:5] if dist.get_rank() == 1 else dt.to_local()
     return {
-        "units_length": _error(lambda: veragged.distribute_tensor(full, mesh, [RaggedShard((0,), (1, 1, 1))])),
-        "not_dividing": _error(lambda: veragged.distribute_tensor(full, mesh, [RaggedShard((0,), (1, 1, 1, 1))])),
-        "mesh_mismatch": _error(lambda: veragged.redistribute(dt, other_mesh, [Replicate(), Replicate()])),
-        "from_local_numel": _error(
-            lambda: veragged.DTensor.from_local(wrong_numel, mesh, [RaggedShard((0,), (1, 1, 1, 3))], shape=(6, 4), run_check=True)
+        "units_length": _error(
+            lambda: veragged.distribute_tensor(full, mesh, [RaggedShard((0,), (1, 1, 1))])
         ),
-        "from_local_shape": _error(lambda: veragged.DTensor.from_local(full, mesh, [RaggedShard((0,), (1, 1, 1, 3))])),
+        "not_dividing": _error(
+            lambda: veragged.distribute_tensor(full, mesh, [RaggedShard((0,), (1, 1, 1, 1))])
+        ),
+        "mesh_mismatch": _error(
+            lambda: veragged.redistribute(dt, other_mesh, [Replicate(), Replicate()])
+        ),
+        "from_local_numel": _error(
+            lambda: veragged.DTensor.from_local(
+                wrong_numel, mesh, [RaggedShard((0,), (1, 1, 1, 3))], shape=(6, 4), run_check=True
+            )
+        ),
+        "from_local_shape": _error(
+            lambda: veragged.DTensor.from_local(full, mesh, [RaggedShard((0,), (1, 1, 1, 3))])
+        ),
         "two_ragged": _error(
-            lambda: veragged.distribute_tensor(full, other_mesh, [RaggedShard((0,), (1, 1)), RaggedShard((0,), (1, 1))])
+            lambda: veragged.distribute_tensor(
+                full, other_mesh, [RaggedShard((0,), (1, 1)), RaggedShard((0,), (1, 1))]
+            )
         ),
         "cut_dim1": _error(
-            lambda: veragged.DTensor.from_local(full, other_mesh, [RaggedShard((0, 1), (1, 1)), Shard(1)], shape=(6, 4))
+            lambda: veragged.DTensor.from_local(
+                full, other_mesh, [RaggedShard((0, 1), (1, 1)), Shard(1)], shape=(6, 4)
+            )
         ),
         "strided_needed": _error(
-            lambda: veragged.DTensor.from_local(full, other_mesh, [RaggedShard((0,), (1, 1)), Shard(0)], shape=(6, 4))
+            lambda: veragged.DTensor.from_local(
+                full, other_mesh, [RaggedShard((0,), (1, 1)), Shard(0)], shape=(6, 4)
+            )
         ),
-        "uneven_shard": _error(lambda: veragged.distribute_tensor(_full((5, 4)), other_mesh, [RaggedShard((0,), (1, 1)), Shard(0)])),
+        "uneven_shard": _error(
+            lambda: veragged.distribute_tensor(
+                _full((5, 4)), other_mesh, [RaggedShard((0,), (1, 1)), Shard(0)]
+            )
+        ),
     }
 
 
@@ -123,5 +173,9 @@ def test_bad_input_raises_value_error_on_every_rank():
     for rank, res in enumerate(run_on_ranks(_bad_input, 4, timeout=120)):
         for key, text in expected.items():
             assert res[key] is not None and text in res[key], (rank, key, res[key])
-        text = "rank 1 holds 5 elements but" if rank == 1 else "another rank's local tensor has the wrong number"
+        text = (
+            "rank 1 holds 5 elements but"
+            if rank == 1
+            else "another rank's local tensor has the wrong number"
+        )
         assert text in res["from_local_numel"], res["from_local_numel"]

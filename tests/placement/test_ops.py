@@ -1,4 +1,7 @@
-"""Ops on RaggedShard DTensors (4 gloo ranks): element-wise, _foreach_*, fused AdamW, norms, errors."""
+"""Ops on RaggedShard DTensors (4 gloo ranks).
+
+Covers element-wise ops, _foreach_*, fused AdamW, norms and errors.
+"""
 
 import math
 
@@ -12,12 +15,18 @@ from veragged import RaggedShard
 from veragged.testing import get_mesh, run_on_ranks
 
 WORLD = 4
-SHAPES = [((7, 13), RaggedShard((0, 1), (30, 0, 51, 10))), ((18, 5), RaggedShard((0,), (5, 0, 9, 4))), ((3, 4, 5), RaggedShard((), (0, 1, 0, 0)))]
+SHAPES = [
+    ((7, 13), RaggedShard((0, 1), (30, 0, 51, 10))),
+    ((18, 5), RaggedShard((0,), (5, 0, 9, 4))),
+    ((3, 4, 5), RaggedShard((), (0, 1, 0, 0))),
+]
 
 
 def _params(requires_grad=True):
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(shape, generator=g) for shape, _ in SHAPES], [torch.randn(shape, generator=g) for shape, _ in SHAPES]
+    return [torch.randn(shape, generator=g) for shape, _ in SHAPES], [
+        torch.randn(shape, generator=g) for shape, _ in SHAPES
+    ]
 
 
 def _local(full, placement):
@@ -33,25 +42,41 @@ def _elementwise():
     a = veragged.distribute_tensor(full, mesh, [p])
     b = veragged.distribute_tensor(other, mesh, [p])
     c = a * 2 + b
-    res["binary"] = type(c).__name__ == "RaggedDTensor" and c.placements == (p,) and torch.equal(c.full_tensor(), full * 2 + other)
+    res["binary"] = (
+        type(c).__name__ == "RaggedDTensor"
+        and c.placements == (p,)
+        and torch.equal(c.full_tensor(), full * 2 + other)
+    )
     d = a.clone()
     ret = d.mul_(3)
     res["inplace_returns_self"] = ret is d and torch.equal(d.full_tensor(), full * 3)
     res["scalar_tensor"] = torch.equal((a * torch.tensor(0.5)).full_tensor(), full * 0.5)
     rep_scalar = DTensor.from_local(torch.tensor(2.0), mesh, [Replicate()])
     res["replicate_scalar"] = torch.equal((a * rep_scalar).full_tensor(), full * 2)
-    res["where"] = torch.equal(torch.where(a > 0, a, b).full_tensor(), torch.where(full > 0, full, other))
-    res["cast"] = a.to(torch.float64).dtype == torch.float64 and torch.equal(a.to(torch.float64).full_tensor(), full.double())
+    res["where"] = torch.equal(
+        torch.where(a > 0, a, b).full_tensor(), torch.where(full > 0, full, other)
+    )
+    res["cast"] = a.to(torch.float64).dtype == torch.float64 and torch.equal(
+        a.to(torch.float64).full_tensor(), full.double()
+    )
     z = torch.zeros_like(a)
     res["zeros_like"] = z.placements == (p,) and torch.equal(z.full_tensor(), torch.zeros(shape))
     e = torch.empty_like(a).copy_(b)
     res["copy_"] = torch.equal(e.full_tensor(), other)
-    res["metadata"] = (a.shape, a.dim(), a.numel(), a.size(1), a.dtype) == (torch.Size(shape), 2, full.numel(), 13, torch.float32)
+    res["metadata"] = (a.shape, a.dim(), a.numel(), a.size(1), a.dtype) == (
+        torch.Size(shape),
+        2,
+        full.numel(),
+        13,
+        torch.float32,
+    )
     da = [veragged.distribute_tensor(f, mesh, [q]) for f, (_, q) in zip(fulls, SHAPES)]
     db = [veragged.distribute_tensor(f, mesh, [q]) for f, (_, q) in zip(others, SHAPES)]
     torch._foreach_add_(da, db, alpha=0.25)
     torch._foreach_mul_(da, 3.0)
-    res["foreach"] = all(torch.equal(x.full_tensor(), (f + 0.25 * o) * 3.0) for x, f, o in zip(da, fulls, others))
+    res["foreach"] = all(
+        torch.equal(x.full_tensor(), (f + 0.25 * o) * 3.0) for x, f, o in zip(da, fulls, others)
+    )
     outs = torch._foreach_sqrt([x.abs() for x in da])
     res["foreach_out"] = all(o.placements == x.placements for o, x in zip(outs, da))
     return res
@@ -72,7 +97,10 @@ def _optimizer(fused, foreach):
     mesh = get_mesh()
     fulls, grads = _params()
     ref = [torch.nn.Parameter(f.clone()) for f in fulls]
-    params = [torch.nn.Parameter(veragged.distribute_tensor(f, mesh, [p])) for f, (_, p) in zip(fulls, SHAPES)]
+    params = [
+        torch.nn.Parameter(veragged.distribute_tensor(f, mesh, [p]))
+        for f, (_, p) in zip(fulls, SHAPES)
+    ]
     opt_ref = torch.optim.AdamW(ref, lr=0.1, weight_decay=0.1, fused=fused, foreach=foreach)
     opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.1, fused=fused, foreach=foreach)
     for step in range(3):
@@ -82,7 +110,10 @@ def _optimizer(fused, foreach):
         opt_ref.step()
         opt.step()
     if fused:
-        ok = all(torch.allclose(x.full_tensor(), r.detach(), rtol=1e-6, atol=0) for x, r in zip(params, ref))
+        ok = all(
+            torch.allclose(x.full_tensor(), r.detach(), rtol=1e-6, atol=0)
+            for x, r in zip(params, ref)
+        )
     else:
         ok = all(torch.equal(x.full_tensor(), r.detach()) for x, r in zip(params, ref))
     state = opt.state[params[0]]["exp_avg_sq"]
@@ -104,17 +135,25 @@ def _norms():
         for ord in (2, 1, 3, math.inf, -math.inf, 0):
             got = torch.linalg.vector_norm(dt, ord)
             want = torch.linalg.vector_norm(full, ord)
-            res[(shape, ord)] = got.placements == (Replicate(),) and torch.allclose(got.full_tensor(), want, rtol=1e-5)
+            res[(shape, ord)] = got.placements == (Replicate(),) and torch.allclose(
+                got.full_tensor(), want, rtol=1e-5
+            )
     # clip_grad_norm_: the total norm is right and the gradients are scaled like torch's.
     ref = [torch.nn.Parameter(f.clone()) for f in fulls]
-    params = [torch.nn.Parameter(veragged.distribute_tensor(f, mesh, [p])) for f, (_, p) in zip(fulls, SHAPES)]
+    params = [
+        torch.nn.Parameter(veragged.distribute_tensor(f, mesh, [p]))
+        for f, (_, p) in zip(fulls, SHAPES)
+    ]
     for r, x in zip(ref, params):
         r.grad = r.detach() * 3
         x.grad = veragged.distribute_tensor(r.grad, mesh, x.placements)
     want = torch.nn.utils.clip_grad_norm_(ref, max_norm=1.0)
     got = torch.nn.utils.clip_grad_norm_(params, max_norm=1.0)
     res["clip_total"] = torch.allclose(got.full_tensor(), want, rtol=1e-5)
-    res["clip_grads"] = all(torch.allclose(x.grad.full_tensor(), r.grad, rtol=1e-5, atol=1e-7) for x, r in zip(params, ref))
+    res["clip_grads"] = all(
+        torch.allclose(x.grad.full_tensor(), r.grad, rtol=1e-5, atol=1e-7)
+        for x, r in zip(params, ref)
+    )
     return res
 
 
@@ -137,18 +176,26 @@ def _unsupported_ops():
     a = veragged.distribute_tensor(full, mesh, [RaggedShard((0,), (1, 2, 0, 3))])
     b = veragged.distribute_tensor(full, mesh, [RaggedShard((0,), (3, 0, 2, 1))])
     s0 = torch.distributed.tensor.distribute_tensor(full, mesh, [Shard(0)])
-    x = veragged.distribute_tensor(full.clone().requires_grad_(), mesh, [RaggedShard((0,), (1, 2, 0, 3))])
+    x = veragged.distribute_tensor(
+        full.clone().requires_grad_(), mesh, [RaggedShard((0,), (1, 2, 0, 3))]
+    )
     return {
         "sum": _raises(lambda: a.sum(), NotImplementedError, "aten.sum"),
         "view": _raises(lambda: a.view(4, 6), NotImplementedError, "aten.view"),
         "matmul": _raises(lambda: a @ full.T, (ValueError, NotImplementedError), "RaggedShard"),
-        "norm_dim": _raises(lambda: torch.linalg.vector_norm(a, dim=0), NotImplementedError, "dim=0"),
+        "norm_dim": _raises(
+            lambda: torch.linalg.vector_norm(a, dim=0), NotImplementedError, "dim=0"
+        ),
         "layouts": _raises(lambda: a + b, ValueError, "identical layouts"),
         "plain_tensor": _raises(lambda: a + full, ValueError, "0-dim tensors"),
         "shard0": _raises(lambda: a + s0, ValueError, "0-dim tensors"),
         "random": _raises(lambda: a.normal_(), NotImplementedError, "normal_"),
         "autograd": _raises(lambda: x * 2, NotImplementedError, "autograd"),
-        "async_method": _raises(lambda: a.redistribute(mesh, [Replicate()], async_op=True), ValueError, "veragged.redistribute"),
+        "async_method": _raises(
+            lambda: a.redistribute(mesh, [Replicate()], async_op=True),
+            ValueError,
+            "veragged.redistribute",
+        ),
     }
 
 

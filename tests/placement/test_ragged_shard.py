@@ -34,7 +34,12 @@ def test_strided_is_distinct_and_carries_split_factor():
 
 
 @pytest.mark.parametrize(
-    "p", [RaggedShard((), (0, 1, 0)), RaggedShard((0, 1), (3, 0, 2)), StridedRaggedShard((0,), (1, 2), 3)]
+    "p",
+    [
+        RaggedShard((), (0, 1, 0)),
+        RaggedShard((0, 1), (3, 0, 2)),
+        StridedRaggedShard((0,), (1, 2), 3),
+    ],
 )
 def test_pickles(p):
     q = pickle.loads(pickle.dumps(p))
@@ -73,8 +78,14 @@ def test_row_ranges_and_local_numel_and_offset():
         (lambda: RaggedShard((0,), ()), "one entry per rank"),
         (lambda: RaggedShard((0,), (0, 0)), "must not all be zero"),
         (lambda: StridedRaggedShard((0,), (1,), 0), "split_factor must be an int >= 1, got 0"),
-        (lambda: RaggedShard((0,), (1, 2)).local_numel_and_offset((7, 3), 0), r"sum\(local_units\) = 3 does not divide the 7 rows"),
-        (lambda: RaggedShard((0,), (1, 2)).local_numel_and_offset((6, 3), 2), r"rank must be in \[0, 2\), got 2"),
+        (
+            lambda: RaggedShard((0,), (1, 2)).local_numel_and_offset((7, 3), 0),
+            r"sum\(local_units\) = 3 does not divide the 7 rows",
+        ),
+        (
+            lambda: RaggedShard((0,), (1, 2)).local_numel_and_offset((6, 3), 2),
+            r"rank must be in \[0, 2\), got 2",
+        ),
     ],
 )
 def test_bad_input_raises_value_error_naming_values(make, message):

@@ -1,4 +1,6 @@
-"""RaggedShard DTensors on 4 gloo ranks: creation, redistribution, autograd, async, collective counts.
+"""RaggedShard DTensors on 4 gloo ranks.
+
+Covers creation, redistribution, autograd, async and collective counts.
 
 Each test runs one worker on 4 real processes and checks many layouts inside it (process start-up
 dominates the cost). Every comparison with the single-process tensor is bit-exact.
@@ -15,7 +17,15 @@ from veragged.testing import get_mesh, run_on_ranks
 
 WORLD = 4
 # (shape, dims): awkward sizes, 3-D tensors, element / row / plane / whole-tensor granularity.
-CASES = [((7, 13), (0,)), ((7, 13), (0, 1)), ((18, 5), (0,)), ((3, 4, 5), (0, 1)), ((3, 4, 5), (0,)), ((6,), (0,)), ((5, 3), ())]
+CASES = [
+    ((7, 13), (0,)),
+    ((7, 13), (0, 1)),
+    ((18, 5), (0,)),
+    ((3, 4, 5), (0, 1)),
+    ((3, 4, 5), (0,)),
+    ((6,), (0,)),
+    ((5, 3), ()),
+]
 
 
 def _full(shape, seed):
@@ -24,7 +34,10 @@ def _full(shape, seed):
 
 
 def _layouts(rows, seed):
-    """local_units for `rows` rows on WORLD ranks: random with zeros, one-hot roots, scaled, even."""
+    """local_units for `rows` rows on WORLD ranks.
+
+    Random with zeros, one-hot roots, scaled, even.
+    """
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(3):
@@ -62,7 +75,10 @@ def _round_trips():
             dt = veragged.distribute_tensor(full, mesh, [p])
             assert isinstance(dt, DTensor) and dt.shape == full.shape and dt.placements == (p,)
             assert torch.equal(dt.to_local(), _expected_local(full, p, rank))
-            assert torch.equal(veragged.distribute_tensor(full, mesh, [p], src_data_rank=None).to_local(), dt.to_local())
+            assert torch.equal(
+                veragged.distribute_tensor(full, mesh, [p], src_data_rank=None).to_local(),
+                dt.to_local(),
+            )
             assert torch.equal(dt.full_tensor(), full)
             # RaggedShard(a) -> RaggedShard(b), every other layout of the same tensor
             q = RaggedShard(dims, layouts[(i + 1) % len(layouts)])
@@ -83,10 +99,16 @@ def _round_trips():
             for op, scale in (("sum", 10.0), ("avg", 2.5)):
                 partial = DTensor.from_local(contrib, mesh, [Partial(op)])
                 got = veragged.redistribute(partial, mesh, [p]).to_local()
-                want = _expected_local(sum(full * (r + 1) for r in range(WORLD)) / (4.0 if op == "avg" else 1.0), p, rank)
+                want = _expected_local(
+                    sum(full * (r + 1) for r in range(WORLD)) / (4.0 if op == "avg" else 1.0),
+                    p,
+                    rank,
+                )
                 assert torch.allclose(got, want, rtol=0, atol=1e-5), (op, scale)
             # from_local with shape=, stride=
-            again = veragged.DTensor.from_local(dt.to_local().clone(), mesh, [p], shape=full.shape, stride=full.stride())
+            again = veragged.DTensor.from_local(
+                dt.to_local().clone(), mesh, [p], shape=full.shape, stride=full.stride()
+            )
             assert torch.equal(again.full_tensor(), full)
             checked += 1
     return checked
@@ -114,7 +136,11 @@ def _backward():
     assert x.requires_grad and x.is_leaf
     (x.full_tensor() * w).sum().backward()
     g = _grad_of(x)
-    results["to_replicate"] = type(g).__name__, g.placements == (p,), torch.equal(g.to_local(), _expected_local(w, p, rank))
+    results["to_replicate"] = (
+        type(g).__name__,
+        g.placements == (p,),
+        torch.equal(g.to_local(), _expected_local(w, p, rank)),
+    )
 
     # RaggedShard(a) -> RaggedShard(b): gradient moves back with the inverse all-to-all.
     x = veragged.distribute_tensor(full.clone().requires_grad_(), mesh, [p])
@@ -123,7 +149,9 @@ def _backward():
 
     # Replicate -> RaggedShard and Shard(0) -> RaggedShard.
     for name, placement in (("replicate", Replicate()), ("shard0", Shard(0))):
-        x = torch.distributed.tensor.distribute_tensor(full.clone(), mesh, [placement]).requires_grad_()
+        x = torch.distributed.tensor.distribute_tensor(
+            full.clone(), mesh, [placement]
+        ).requires_grad_()
         (veragged.redistribute(x, mesh, [p]).full_tensor() * w).sum().backward()
         want = torch.distributed.tensor.distribute_tensor(w, mesh, [placement]).to_local()
         results[name] = torch.equal(_grad_of(x).to_local(), want)
@@ -136,7 +164,9 @@ def _backward():
     # Partial -> RaggedShard: the gradient is Replicate (as torch does for Partial inputs).
     x = DTensor.from_local(full.clone(), mesh, [Partial()]).detach().requires_grad_()
     (veragged.redistribute(x, mesh, [p]).full_tensor() * w).sum().backward()
-    results["partial"] = _grad_of(x).placements == (Replicate(),) and torch.equal(_grad_of(x).to_local(), w)
+    results["partial"] = _grad_of(x).placements == (Replicate(),) and torch.equal(
+        _grad_of(x).to_local(), w
+    )
 
     # Gradients accumulate over two backwards.
     x = veragged.distribute_tensor(full.clone().requires_grad_(), mesh, [p])
@@ -205,7 +235,9 @@ def _async_forms():
     handles = [
         veragged.redistribute(dt, mesh, [Replicate()], async_op=True),
         veragged.redistribute(dt, mesh, [root], async_op=True),
-        veragged.redistribute(DTensor.from_local(full, mesh, [Partial()]), mesh, [p], async_op=True),
+        veragged.redistribute(
+            DTensor.from_local(full, mesh, [Partial()]), mesh, [p], async_op=True
+        ),
     ]
     assert all(isinstance(h, veragged.RedistributeHandle) for h in handles)
     gathered, rooted, reduced = (h.wait() for h in handles)

@@ -1,4 +1,7 @@
-"""Distributed checkpoint support: RaggedShard DTensors save and load through torch.distributed.checkpoint."""
+"""Distributed checkpoint support.
+
+RaggedShard DTensors save and load through torch.distributed.checkpoint.
+"""
 
 from veragged.checkpoint.ragged import local_boxes
 

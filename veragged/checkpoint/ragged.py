@@ -16,7 +16,11 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor.placement_types import Partial
 
@@ -49,7 +53,13 @@ def _local_boxes(shape: tuple[int, ...], mesh, placements: tuple) -> tuple[Box, 
         for o, s in zip(offs, prefix):
             row = row * s + o
         full_offs = [o + g for o, g in zip(offs + [0] * len(rest), origin)]
-        boxes.append(Box(torch.Size(full_offs), torch.Size(sizes + rest), (row - layout.begin) * layout.row_numel))
+        boxes.append(
+            Box(
+                torch.Size(full_offs),
+                torch.Size(sizes + rest),
+                (row - layout.begin) * layout.row_numel,
+            )
+        )
     return tuple(boxes)
 
 
@@ -60,7 +70,9 @@ def local_boxes(dt) -> tuple[Box, ...]:
 
 def _check_no_partial(dt) -> None:
     if any(isinstance(p, Partial) for p in dt.placements):
-        raise ValueError(f"checkpointing a DTensor with Partial placements {dt.placements} is not supported")
+        raise ValueError(
+            f"checkpointing a DTensor with Partial placements {dt.placements} is not supported"
+        )
 
 
 def create_chunk_list(dt) -> list[ChunkStorageMetadata]:
@@ -76,7 +88,9 @@ def create_write_items(fqn: str, dt) -> list[WriteItem]:
             index=MetadataIndex(fqn, b.offsets),
             type=WriteItemType.SHARD,
             tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=b.offsets, sizes=b.sizes), properties=properties, size=dt.size()
+                chunk=ChunkStorageMetadata(offsets=b.offsets, sizes=b.sizes),
+                properties=properties,
+                size=dt.size(),
             ),
         )
         for b in local_boxes(dt)

@@ -12,8 +12,18 @@ from torch.distributed.tensor import distribute_tensor as _torch_distribute_tens
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from veragged.placement import collectives as coll
-from veragged.placement.dtensor import RaggedDTensor, _FromLocal, make_spec
-from veragged.placement.layout import check_placements, normalize_placements, ragged_layout, ragged_mesh_dim
+from veragged.placement.dtensor import (
+    RaggedDTensor,
+    _FromLocal,
+    accumulate_grads_locally,
+    make_spec,
+)
+from veragged.placement.layout import (
+    check_placements,
+    normalize_placements,
+    ragged_layout,
+    ragged_mesh_dim,
+)
 
 __all__ = ["distribute_tensor", "from_local", "local_numel_and_offset"]
 
@@ -45,7 +55,9 @@ def distribute_tensor(
     if placements is None or ragged_mesh_dim(placements) is None:
         return _torch_distribute_tensor(tensor, mesh, placements, src_data_rank=src_data_rank)
     if isinstance(tensor, DTensor):
-        raise ValueError("distribute_tensor expects a torch.Tensor, got a DTensor; use redistribute")
+        raise ValueError(
+            "distribute_tensor expects a torch.Tensor, got a DTensor; use redistribute"
+        )
     if tensor.device.type != mesh.device_type and not tensor.is_meta:
         tensor = tensor.to(mesh.device_type)
     placements = normalize_placements(tensor.shape, mesh, placements)
@@ -59,15 +71,21 @@ def distribute_tensor(
             for r in range(src_data_rank + 1, mesh.size(0) + 1):
                 src[r] = n
             mine = full if layout.coordinate == src_data_rank else full[:0]
-            local = coll.all_to_all(mine, src, layout.bounds, layout.coordinate, mesh.get_group(0)).finish()
+            local = coll.all_to_all(
+                mine, src, layout.bounds, layout.coordinate, mesh.get_group(0)
+            ).finish()
         else:
             block = tensor.detach()
             if mesh.ndim > 1:
                 others = tuple(Replicate() if j == i else p for j, p in enumerate(placements))
-                block = _torch_distribute_tensor(block, mesh, others, src_data_rank=src_data_rank)._local_tensor
+                block = _torch_distribute_tensor(
+                    block, mesh, others, src_data_rank=src_data_rank
+                )._local_tensor
             local = coll.slice_local(block, layout.bounds, layout.coordinate).finish()
     spec = make_spec(mesh, placements, tensor.shape, tensor.dtype)
-    return RaggedDTensor(local, spec, requires_grad=tensor.requires_grad)
+    dt = RaggedDTensor(local, spec, requires_grad=tensor.requires_grad)
+    accumulate_grads_locally(dt)
+    return dt
 
 
 def from_local(
@@ -89,7 +107,12 @@ def from_local(
     mesh = _mesh(device_mesh)
     if placements is None or ragged_mesh_dim(placements) is None:
         return DTensor.from_local(
-            local_tensor, mesh, placements, run_check=run_check, shape=shape, stride=stride,
+            local_tensor,
+            mesh,
+            placements,
+            run_check=run_check,
+            shape=shape,
+            stride=stride,
             grad_placements=grad_placements,
         )
     if isinstance(local_tensor, DTensor):
@@ -110,13 +133,15 @@ def from_local(
         wrong_somewhere = wrong
     if wrong_somewhere:
         raise ValueError(
-            f"from_local: rank {dist.get_rank()} holds {local_tensor.numel()} elements but {placements} of "
-            f"shape {list(shape)} gives it {layout.local_numel}"
+            f"from_local: rank {dist.get_rank()} holds {local_tensor.numel()} elements "
+            f"but {placements} of shape {list(shape)} gives it {layout.local_numel}"
             if wrong
             else "from_local: another rank's local tensor has the wrong number of elements"
         )
     spec = make_spec(mesh, placements, shape, local_tensor.dtype, stride)
-    return _FromLocal.apply(local_tensor, spec, tuple(grad_placements) if grad_placements is not None else None)
+    return _FromLocal.apply(
+        local_tensor, spec, tuple(grad_placements) if grad_placements is not None else None
+    )
 
 
 def local_numel_and_offset(

@@ -59,7 +59,9 @@ def slice_local(full: torch.Tensor, bounds: Sequence[int], rank: int) -> Pending
     return _done(full.reshape(-1)[bounds[rank] : bounds[rank + 1]].clone())
 
 
-def all_gather(local: torch.Tensor, bounds: Sequence[int], group, block_shape: Sequence[int]) -> Pending:
+def all_gather(
+    local: torch.Tensor, bounds: Sequence[int], group, block_shape: Sequence[int]
+) -> Pending:
     """Ragged -> Replicate: one all-gather of pieces padded to the largest, then views of it."""
     sizes = _sizes(bounds)
     width = max(sizes)
@@ -82,23 +84,31 @@ def all_gather(local: torch.Tensor, bounds: Sequence[int], group, block_shape: S
     return Pending(work, finish)
 
 
-def all_to_all(local: torch.Tensor, src_bounds: Sequence[int], dst_bounds: Sequence[int], rank: int, group) -> Pending:
+def all_to_all(
+    local: torch.Tensor, src_bounds: Sequence[int], dst_bounds: Sequence[int], rank: int, group
+) -> Pending:
     """Any flat-interval layout -> another (ragged, root-only, Shard(0)): one all-to-all."""
     send, recv = torch.ops.veragged.interval_overlaps(list(src_bounds), list(dst_bounds), rank)
     local = local.reshape(-1).contiguous()
     out = local.new_empty(sum(recv))
-    work = dist.all_to_all_single(out, local, output_split_sizes=recv, input_split_sizes=send, group=group, async_op=True)
+    work = dist.all_to_all_single(
+        out, local, output_split_sizes=recv, input_split_sizes=send, group=group, async_op=True
+    )
     return Pending(work, lambda: out)
 
 
-def reduce_scatter(full: torch.Tensor, bounds: Sequence[int], rank: int, group, reduce_op: str) -> Pending:
+def reduce_scatter(
+    full: torch.Tensor, bounds: Sequence[int], rank: int, group, reduce_op: str
+) -> Pending:
     """Partial(sum | avg) -> ragged: one reduce-scatter of pieces padded to the largest.
 
     The reduction is always a SUM (avg divides afterwards): gloo has silently summed for AVG in some
     torch versions (pytorch issue #162338).
     """
     if reduce_op not in ("sum", "avg"):
-        raise ValueError(f"Partial({reduce_op!r}) -> RaggedShard is not supported; only sum and avg are")
+        raise ValueError(
+            f"Partial({reduce_op!r}) -> RaggedShard is not supported; only sum and avg are"
+        )
     sizes = _sizes(bounds)
     width, n = max(sizes), len(sizes)
     flat = full.reshape(-1)

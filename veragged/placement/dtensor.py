@@ -9,16 +9,16 @@ cases without patching torch: `isinstance(x, DTensor)` still holds, torch code t
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh, _mesh_resources
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from veragged.placement import ops
-from veragged.placement.layout import check_placements, ragged_layout, ragged_mesh_dim
 
 __all__ = ["RaggedDTensor"]
 
@@ -33,14 +33,50 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 
 def make_spec(mesh: DeviceMesh, placements, shape, dtype, stride=None) -> DTensorSpec:
     shape = torch.Size(shape)
-    return DTensorSpec(mesh, tuple(placements), TensorMeta(shape, tuple(stride or _contiguous_stride(shape)), dtype))
+    return DTensorSpec(
+        mesh,
+        tuple(placements),
+        TensorMeta(shape, tuple(stride or _contiguous_stride(shape)), dtype),
+    )
+
+
+def accumulate_grads_locally(dt) -> None:
+    """Make gradient accumulation into leaf `dt` run on the local shards.
+
+    The autograd engine adds a new gradient into an existing `.grad` in C++; on torch versions
+    whose DTensor fast path skips a subclass's `__torch_dispatch__` (2.11), that add reaches
+    torch's sharding propagation, which rejects RaggedShard. A tensor hook runs before the
+    engine's accumulation: it adds the existing `.grad` itself (a local element-wise add) and
+    clears `.grad`, so the engine only stores the sum. Installed once per leaf.
+    """
+    if not (isinstance(dt, RaggedDTensor) and dt.is_leaf and dt.requires_grad):
+        return
+    if getattr(dt, "_veragged_accumulates", False):
+        return
+    ref = weakref.ref(dt)
+
+    def hook(grad):
+        x = ref()
+        if x is None or x.grad is None:
+            return None
+        from veragged.placement.redistribute import as_ragged
+
+        with torch.no_grad():
+            total = x.grad + as_ragged(grad)
+        x.grad = None
+        return total
+
+    dt.register_hook(hook)
+    dt._veragged_accumulates = True
 
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, spec: DTensorSpec, grad_placements):
         ctx.shape, ctx.grad_placements = local.shape, grad_placements
-        return RaggedDTensor(local.reshape(-1).view_as(local.reshape(-1)), spec, requires_grad=local.requires_grad)
+        return RaggedDTensor(
+            local.reshape(-1).view_as(local.reshape(-1)), spec, requires_grad=local.requires_grad
+        )
 
     @staticmethod
     def backward(ctx, grad: DTensor):
@@ -77,11 +113,15 @@ class RaggedDTensor(DTensor):
     """
 
     @staticmethod
-    def _wrap(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False) -> "RaggedDTensor":
+    def _wrap(
+        local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False
+    ) -> "RaggedDTensor":
         """Wrap a flat local tensor under `spec` (its dtype follows `local`)."""
         if spec.tensor_meta.dtype != local.dtype:
             meta = spec.tensor_meta
-            spec = DTensorSpec(spec.mesh, spec.placements, TensorMeta(meta.shape, meta.stride, local.dtype))
+            spec = DTensorSpec(
+                spec.mesh, spec.placements, TensorMeta(meta.shape, meta.stride, local.dtype)
+            )
         return RaggedDTensor(local, spec, requires_grad=requires_grad)
 
     @staticmethod
@@ -99,7 +139,12 @@ class RaggedDTensor(DTensor):
         from veragged.placement.api import from_local
 
         return from_local(
-            local_tensor, device_mesh, placements, run_check=run_check, shape=shape, stride=stride,
+            local_tensor,
+            device_mesh,
+            placements,
+            run_check=run_check,
+            shape=shape,
+            stride=stride,
             grad_placements=grad_placements,
         )
 
@@ -127,12 +172,13 @@ class RaggedDTensor(DTensor):
         if async_op:
             raise ValueError(
                 "RaggedDTensor.redistribute(async_op=True) is not supported: use "
-                "veragged.redistribute(dt, mesh, placements, async_op=True), which returns a handle to wait on"
+                "veragged.redistribute(dt, mesh, placements, async_op=True), "
+                "which returns a handle to wait on"
             )
         if forward_dtype is not None or backward_dtype is not None:
             raise ValueError(
-                f"forward_dtype={forward_dtype} / backward_dtype={backward_dtype} are not supported for "
-                "RaggedShard DTensors; cast with .to(dtype) first"
+                f"forward_dtype={forward_dtype} / backward_dtype={backward_dtype} "
+                "are not supported for RaggedShard DTensors; cast with .to(dtype) first"
             )
         from veragged.placement.redistribute import redistribute
 
@@ -170,6 +216,6 @@ class RaggedDTensor(DTensor):
 
     def __reduce_ex__(self, protocol):
         raise TypeError(
-            "pickling a RaggedShard DTensor is not supported; save it with torch.distributed.checkpoint "
-            "or pickle .full_tensor()"
+            "pickling a RaggedShard DTensor is not supported; "
+            "save it with torch.distributed.checkpoint or pickle .full_tensor()"
         )

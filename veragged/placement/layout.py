@@ -12,8 +12,8 @@ checkpoint boxes:
   lcm(prod(shape[k:]), prod(shape[d:])) elements, which is rows of `shape[d:]`, i.e. `dims[:d]`.
   Then sharding dim d before or after the ragged split gives the same local data.
 - `Shard(0)` on a later mesh dim than the RaggedShard (FSDP over EP/TP, applied first): the
-  placement must be a `StridedRaggedShard` whose `split_factor` is the number of dim-0 pieces, so the
-  order of application is recorded in the placements.
+  placement must be a `StridedRaggedShard` whose `split_factor` is the number of dim-0 pieces,
+  so the order of application is recorded in the placements.
 Every check here depends only on shapes and the mesh, so all ranks raise or pass together.
 """
 
@@ -30,7 +30,13 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from veragged.placement.ragged_shard import RaggedShard, StridedRaggedShard
 
-__all__ = ["RaggedLayout", "check_placements", "normalize_placements", "ragged_layout", "ragged_mesh_dim"]
+__all__ = [
+    "RaggedLayout",
+    "check_placements",
+    "normalize_placements",
+    "ragged_layout",
+    "ragged_mesh_dim",
+]
 
 
 def ragged_mesh_dim(placements: Sequence[Placement]) -> int | None:
@@ -42,11 +48,17 @@ def ragged_mesh_dim(placements: Sequence[Placement]) -> int | None:
 
 
 def _dim0_split_after(mesh: DeviceMesh, placements: Sequence[Placement], i: int) -> int:
-    return math.prod(mesh.size(j) for j in range(i + 1, len(placements)) if placements[j] == Shard(0))
+    return math.prod(
+        mesh.size(j) for j in range(i + 1, len(placements)) if placements[j] == Shard(0)
+    )
 
 
-def check_placements(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> int | None:
-    """Validate `placements` for a tensor of `shape` on `mesh`; return the ragged mesh dim (or None).
+def check_placements(
+    shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
+) -> int | None:
+    """Validate `placements` for a tensor of `shape` on `mesh`.
+
+    Return the ragged mesh dim (or None).
 
     Raises ValueError naming the offending values; see [Note: ragged layout on an N-D mesh].
     """
@@ -60,20 +72,25 @@ def check_placements(shape: Sequence[int], mesh: DeviceMesh, placements: Sequenc
     shape = tuple(shape)
     if ragged.num_ranks != mesh.size(i):
         raise ValueError(
-            f"{ragged!r} has {ragged.num_ranks} local_units but mesh dim {i} has {mesh.size(i)} ranks"
+            f"{ragged!r} has {ragged.num_ranks} local_units "
+            f"but mesh dim {i} has {mesh.size(i)} ranks"
         )
     if len(ragged.dims) > len(shape):
-        raise ValueError(f"{ragged!r}: dims {ragged.dims} do not fit a tensor of shape {list(shape)}")
+        raise ValueError(
+            f"{ragged!r}: dims {ragged.dims} do not fit a tensor of shape {list(shape)}"
+        )
     for j, p in enumerate(placements):
         if j == i or isinstance(p, (Replicate, Partial)):
             continue
         if type(p) is not Shard:
-            raise ValueError(f"{p!r} cannot be combined with a RaggedShard (placements {placements})")
+            raise ValueError(
+                f"{p!r} cannot be combined with a RaggedShard (placements {placements})"
+            )
         d = p.dim if p.dim >= 0 else p.dim + len(shape)
         if shape[d] % mesh.size(j):
             raise ValueError(
-                f"Shard({d}) on mesh dim {j} next to a RaggedShard needs dim {d} (size {shape[d]}) to be "
-                f"divisible by the mesh dim size {mesh.size(j)}"
+                f"Shard({d}) on mesh dim {j} next to a RaggedShard needs dim {d} "
+                f"(size {shape[d]}) to be divisible by the mesh dim size {mesh.size(j)}"
             )
         if 0 < d < len(ragged.dims):
             raise ValueError(
@@ -88,7 +105,9 @@ def check_placements(shape: Sequence[int], mesh: DeviceMesh, placements: Sequenc
             f"StridedRaggedShard({ragged.dims}, local_units, split_factor={split})"
         )
     if split == 1 and strided and ragged.split_factor != 1:
-        raise ValueError(f"{ragged!r} needs Shard(0) on later mesh dims with {ragged.split_factor} pieces")
+        raise ValueError(
+            f"{ragged!r} needs Shard(0) on later mesh dims with {ragged.split_factor} pieces"
+        )
     layout = ragged_layout(shape, mesh, placements)
     ragged.check_rows(layout.rows)
     return i
@@ -105,7 +124,9 @@ def normalize_placements(
     """
     placements = list(placements)
     if len(placements) != mesh.ndim:
-        raise ValueError(f"placements {tuple(placements)} must have one entry per mesh dim ({mesh.ndim})")
+        raise ValueError(
+            f"placements {tuple(placements)} must have one entry per mesh dim ({mesh.ndim})"
+        )
     for j, p in enumerate(placements):
         if type(p) is Shard and p.dim < 0:
             placements[j] = Shard(p.dim + len(shape))
@@ -161,7 +182,10 @@ class RaggedLayout:
 
     @functools.cached_property
     def bounds(self) -> tuple[int, ...]:
-        """Element bounds of every rank of the mesh dim in the block: rank r holds [b[r], b[r+1])."""
+        """Element bounds of every rank of the mesh dim in the block.
+
+        Rank r holds [b[r], b[r+1]).
+        """
         units = self.placement._units
         return tuple(p * self.rows // units.total * self.row_numel for p in units.prefix)
 
@@ -172,7 +196,9 @@ class RaggedLayout:
 
 
 @functools.lru_cache(maxsize=4096)
-def _ragged_layout(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]) -> RaggedLayout:
+def _ragged_layout(
+    shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> RaggedLayout:
     i = ragged_mesh_dim(placements)
     ragged = placements[i]
     others = tuple(Replicate() if j == i else p for j, p in enumerate(placements))
@@ -181,11 +207,18 @@ def _ragged_layout(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[P
     rows, row_numel = math.prod(block_shape[:k]), math.prod(block_shape[k:])
     coordinate = mesh.get_coordinate()[i]
     begin, end = ragged.row_range(rows, coordinate)
-    return RaggedLayout(i, ragged, tuple(block_shape), tuple(block_offset), rows, row_numel, coordinate, begin, end)
+    return RaggedLayout(
+        i, ragged, tuple(block_shape), tuple(block_offset), rows, row_numel, coordinate, begin, end
+    )
 
 
-def ragged_layout(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> RaggedLayout:
-    """The cached `RaggedLayout` of this rank for a tensor of `shape` (placements hold a RaggedShard)."""
+def ragged_layout(
+    shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
+) -> RaggedLayout:
+    """The cached `RaggedLayout` of this rank for a tensor of `shape`.
+
+    `placements` hold a RaggedShard.
+    """
     return _ragged_layout(tuple(shape), mesh, tuple(placements))
 
 

@@ -37,21 +37,37 @@ aten = torch.ops.aten
 
 # Tensor properties and methods that only read DTensor metadata: torch answers them.
 _META_PROPERTIES = frozenset(
-    "shape dtype device requires_grad grad _grad is_leaf ndim layout grad_fn is_cuda is_cpu is_meta "
-    "_base is_sparse is_quantized is_nested names itemsize nbytes retains_grad output_nr _version "
+    "shape dtype device requires_grad grad _grad is_leaf ndim layout grad_fn is_cuda is_cpu "
+    "is_meta _base is_sparse is_quantized is_nested names itemsize nbytes retains_grad output_nr "
+    "_version "
     "_post_accumulate_grad_hooks _backward_hooks".split()
 )
 _META_METHODS = frozenset(
     getattr(torch.Tensor, name)
     for name in (
-        "size dim numel stride nelement element_size requires_grad_ register_hook retain_grad backward "
-        "get_device is_floating_point is_complex __format__ register_post_accumulate_grad_hook "
+        "size dim numel stride nelement element_size requires_grad_ register_hook retain_grad "
+        "backward get_device is_floating_point is_complex __format__ "
+        "register_post_accumulate_grad_hook "
         "_is_view is_contiguous storage_offset"
     ).split()
 )
 _FACTORIES = frozenset(
-    op.default for op in (aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.detach, aten.alias)
-) | {aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default, aten.copy_.default, aten._to_copy.default}
+    op.default
+    for op in (
+        aten.empty_like,
+        aten.zeros_like,
+        aten.ones_like,
+        aten.full_like,
+        aten.detach,
+        aten.alias,
+    )
+) | {
+    aten.fill_.Scalar,
+    aten.fill_.Tensor,
+    aten.zero_.default,
+    aten.copy_.default,
+    aten._to_copy.default,
+}
 _FUSED_OPTIMIZER_PREFIXES = ("_fused_adam", "_fused_sgd", "_fused_adagrad")
 _FOREACH_REDUCTIONS = frozenset({"_foreach_norm", "_foreach_max"})
 # Ops whose outputs carry no gradient, so they may run while inputs require grad.
@@ -101,13 +117,18 @@ def _is_ragged_dt(x) -> bool:
 
 
 def _same_layout(a: DTensor, b: DTensor) -> bool:
-    return a._spec.mesh == b._spec.mesh and a._spec.placements == b._spec.placements and a.shape == b.shape
+    return (
+        a._spec.mesh == b._spec.mesh
+        and a._spec.placements == b._spec.placements
+        and a.shape == b.shape
+    )
 
 
 def _layout_error(name, a: DTensor, b: DTensor) -> ValueError:
     return ValueError(
-        f"{name}: RaggedShard DTensor operands must have identical layouts, got shape {list(a.shape)} "
-        f"placements {a.placements} and shape {list(b.shape)} placements {b.placements}"
+        f"{name}: RaggedShard DTensor operands must have identical layouts, "
+        f"got shape {list(a.shape)} placements {a.placements} "
+        f"and shape {list(b.shape)} placements {b.placements}"
     )
 
 
@@ -115,18 +136,24 @@ def _unwrap_scalar(name, t: torch.Tensor):
     """A non-ragged tensor operand: allowed if 0-dim (its value is the same on every rank)."""
     if t.dim() != 0:
         raise ValueError(
-            f"{name}: a RaggedShard DTensor can only be combined with RaggedShard DTensors of the same "
-            f"layout or with 0-dim tensors, got a {type(t).__name__} of shape {list(t.shape)}"
+            f"{name}: a RaggedShard DTensor can only be combined with RaggedShard DTensors "
+            f"of the same layout or with 0-dim tensors, "
+            f"got a {type(t).__name__} of shape {list(t.shape)}"
         )
     if isinstance(t, DTensor):
         if any(isinstance(p, Partial) for p in t.placements):
-            raise ValueError(f"{name}: a 0-dim Partial DTensor operand must be reduced first ({t.placements})")
+            raise ValueError(
+                f"{name}: a 0-dim Partial DTensor operand must be reduced first ({t.placements})"
+            )
         return t._local_tensor
     return t
 
 
 def _unwrap(name: str, args, kwargs):
-    """Replace DTensors by local tensors; return (args, kwargs, layout reference per output slot)."""
+    """Replace DTensors by local tensors.
+
+    Return (args, kwargs, layout reference per output slot).
+    """
     refs: dict[int, DTensor] = {}  # list position (or -1 for non-list operands) -> layout reference
     locals_to_dt: dict[int, DTensor] = {}
 
@@ -169,11 +196,16 @@ def _wrap(out, refs, locals_to_dt):
             return same  # in-place op: hand back the DTensor itself
         ref = refs.get(slot, refs.get(-1))
         if ref is None or t.shape != ref._local_tensor.shape:
-            raise RuntimeError(f"internal error: output of shape {list(t.shape)} cannot be wrapped as a RaggedShard DTensor")
+            raise RuntimeError(
+                f"internal error: output of shape {list(t.shape)} "
+                "cannot be wrapped as a RaggedShard DTensor"
+            )
         return RaggedDTensor._wrap(t, ref._spec)
 
     if isinstance(out, (list, tuple)):
-        return type(out)(one(t, i if len(refs) > 1 or -1 not in refs else -1) for i, t in enumerate(out))
+        return type(out)(
+            one(t, i if len(refs) > 1 or -1 not in refs else -1) for i, t in enumerate(out)
+        )
     return one(out, -1)
 
 
@@ -198,18 +230,26 @@ def _name(func) -> str:
 def _sharded_mesh_dims(dt: DTensor) -> tuple[int, ...]:
     for p in dt.placements:
         if isinstance(p, Partial):
-            raise ValueError(f"the norm of a DTensor with Partial placements {dt.placements} needs a reduction first")
+            raise ValueError(
+                f"the norm of a DTensor with Partial placements {dt.placements} "
+                "needs a reduction first"
+            )
     return tuple(i for i, p in enumerate(dt.placements) if not isinstance(p, Replicate))
 
 
 def _norm_parts(locals_: list[torch.Tensor], ord: float, dtype) -> torch.Tensor:
-    """Per tensor, the local quantity whose all-reduce gives the global norm (see `_finish_norm`)."""
+    """Per tensor, the local quantity whose all-reduce gives the global norm.
+
+    See `_global_norms`.
+    """
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     parts = []
     for t in locals_:
         t = t.to(dtype) if dtype is not None else t
         if t.numel() == 0:
-            parts.append(torch.tensor(math.inf if ord == -math.inf else 0.0, dtype=acc, device=t.device))
+            parts.append(
+                torch.tensor(math.inf if ord == -math.inf else 0.0, dtype=acc, device=t.device)
+            )
         elif ord in (math.inf, -math.inf, 0):
             parts.append(torch.linalg.vector_norm(t, ord).to(acc))
         else:
@@ -222,7 +262,10 @@ def _reduce_op(ord: float):
 
 
 def _global_norms(dts: list[DTensor], ord, dtype) -> list[DTensor]:
-    """Norms of whole RaggedShard DTensors as 0-dim Replicate DTensors; one all-reduce per mesh dim."""
+    """Norms of whole RaggedShard DTensors as 0-dim Replicate DTensors.
+
+    One all-reduce per mesh dim.
+    """
     ord = float(ord)
     out: list[DTensor | None] = [None] * len(dts)
     groups: dict[tuple, list[int]] = {}
@@ -242,12 +285,17 @@ def _global_norms(dts: list[DTensor], ord, dtype) -> list[DTensor]:
 
 def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     if out is not None:
-        raise NotImplementedError("torch.linalg.vector_norm(out=...) is not supported on RaggedShard DTensors")
+        raise NotImplementedError(
+            "torch.linalg.vector_norm(out=...) is not supported on RaggedShard DTensors"
+        )
     if dim is not None:
-        dims = {d % x.dim() for d in ((dim,) if isinstance(dim, int) else dim)} if x.dim() else set()
+        dims = (
+            {d % x.dim() for d in ((dim,) if isinstance(dim, int) else dim)} if x.dim() else set()
+        )
         if dims != set(range(x.dim())):
             raise NotImplementedError(
-                f"torch.linalg.vector_norm(dim={dim}) on a RaggedShard DTensor: only the norm over all dims is supported"
+                f"torch.linalg.vector_norm(dim={dim}) on a RaggedShard DTensor: "
+                "only the norm over all dims is supported"
             )
     (norm,) = _global_norms([x], ord, dtype)
     if keepdim:
@@ -257,7 +305,10 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
 
 def _foreach_norm(tensors, ord=2, dtype=None):
     if not all(_is_ragged_dt(t) for t in tensors):
-        raise ValueError("torch._foreach_norm: lists mixing RaggedShard DTensors with other tensors are not supported")
+        raise ValueError(
+            "torch._foreach_norm: lists mixing RaggedShard DTensors with other tensors "
+            "are not supported"
+        )
     return _global_norms(list(tensors), ord, dtype)
 
 
@@ -267,10 +318,16 @@ _SPECIAL = {torch.linalg.vector_norm: _vector_norm, torch._foreach_norm: _foreac
 def handle_torch_function(func, args, kwargs):
     """`RaggedDTensor.__torch_function__`; see [Note: ops on RaggedShard DTensors]."""
     if func in _META_METHODS or (
-        _name(func) in ("__get__", "__set__") and getattr(func.__self__, "__name__", None) in _META_PROPERTIES
+        _name(func) in ("__get__", "__set__")
+        and getattr(func.__self__, "__name__", None) in _META_PROPERTIES
     ):
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        if func is torch.Tensor.requires_grad_ or _name(func) == "__set__":
+            from veragged.placement.dtensor import accumulate_grads_locally
+
+            accumulate_grads_locally(args[0])
+        return out
     special = _SPECIAL.get(func)
     if special is not None:
         return special(*args, **kwargs)

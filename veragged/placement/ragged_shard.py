@@ -4,8 +4,9 @@
 `RaggedShard(dims, local_units)` shards one mesh dimension of size P. `dims` is a prefix
 `(0, ..., k-1)` of the tensor's dims; they are flattened into one axis of `rows`, each row of shape
 `shape[k:]` (so `dims=()` makes the whole tensor one row and `dims=tuple(range(ndim))` makes every
-element a row). Rank `i` holds the `i`-th contiguous slice of `local_units[i] * rows / sum(local_units)`
-rows, zero allowed; its local tensor is the 1-D flat view of those rows. With other placements on
+element a row). Rank `i` holds the `i`-th contiguous slice of
+`local_units[i] * rows / sum(local_units)` rows, zero allowed; its local tensor is the 1-D flat
+view of those rows. With other placements on
 a 2-D mesh, the ragged split is applied last: to the block each rank holds under the other
 placements (see `veragged.placement.layout`). `StridedRaggedShard` is the same split, spelled for
 the case where a `Shard(0)` on a *later* mesh dim was applied before it (FSDP over TP/EP): DTensor
@@ -86,17 +87,21 @@ def _check_dims(dims: Sequence[int]) -> tuple[int, ...]:
         if isinstance(d, bool) or not isinstance(d, int):
             raise TypeError(f"RaggedShard: dims must be ints, got {dims!r}")
     if dims != tuple(range(len(dims))):
-        raise ValueError(f"RaggedShard: dims must be a prefix (0, ..., k-1) of the tensor dims, got {dims}")
+        raise ValueError(
+            f"RaggedShard: dims must be a prefix (0, ..., k-1) of the tensor dims, got {dims}"
+        )
     return dims
 
 
 class RaggedShard(Placement):
-    """Shard the flattened leading `dims` of a tensor into whole rows, `local_units[i]` parts to rank i.
+    """Shard the flattened leading `dims` of a tensor into whole rows.
 
-    See [Note: RaggedShard semantics]. Immutable, hashable, picklable; equality and hashing are O(1).
+    `local_units[i]` parts go to rank i. See [Note: RaggedShard semantics]. Immutable, hashable,
+    picklable; equality and hashing are O(1).
 
     Args:
-        dims: a prefix `(0, ..., k-1)` of the tensor's dims, flattened into rows of shape `shape[k:]`.
+        dims: a prefix `(0, ..., k-1)` of the tensor's dims, flattened into rows of shape
+            `shape[k:]`.
         local_units: one non-negative int per rank of the mesh dim; rank `i` holds
             `local_units[i] * rows / sum(local_units)` consecutive rows.
     """
@@ -160,7 +165,9 @@ class RaggedShard(Placement):
             raise ValueError(f"{self!r}: rank must be in [0, {self.num_ranks}), got {rank}")
         shape = tuple(shape)
         if len(self.dims) > len(shape):
-            raise ValueError(f"{self!r}: dims {self.dims} do not fit a tensor of shape {list(shape)}")
+            raise ValueError(
+                f"{self!r}: dims {self.dims} do not fit a tensor of shape {list(shape)}"
+            )
         k = len(self.dims)
         rows, row_numel = math.prod(shape[:k]), math.prod(shape[k:])
         self.check_rows(rows)
@@ -186,7 +193,9 @@ class StridedRaggedShard(RaggedShard):
 
     def __init__(self, dims: Sequence[int], local_units: Sequence[int], split_factor: int):
         if isinstance(split_factor, bool) or not isinstance(split_factor, int) or split_factor < 1:
-            raise ValueError(f"StridedRaggedShard: split_factor must be an int >= 1, got {split_factor!r}")
+            raise ValueError(
+                f"StridedRaggedShard: split_factor must be an int >= 1, got {split_factor!r}"
+            )
         super().__init__(dims, local_units)
         object.__setattr__(self, "split_factor", split_factor)
         object.__setattr__(self, "_hash", hash((self._hash, split_factor)))

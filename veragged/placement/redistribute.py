@@ -43,7 +43,10 @@ def _replace(placements: tuple, i: int, p: Placement) -> tuple:
 
 
 def _shard0_direct(placements: tuple, m: int) -> bool:
-    """RaggedShard <-> Shard(0) on mesh dim m is one all-to-all when no other mesh dim shards dim 0."""
+    """RaggedShard <-> Shard(0) on mesh dim m is one all-to-all.
+
+    That holds when no other mesh dim shards dim 0.
+    """
     return not any(p == Shard(0) for j, p in enumerate(placements) if j != m)
 
 
@@ -54,8 +57,10 @@ def _direct(a: Placement, b: Placement, src: tuple, dst: tuple, m: int) -> bool:
     if ra:
         return isinstance(b, Replicate) or (b == Shard(0) and _shard0_direct(dst, m))
     if rb:
-        return isinstance(a, Replicate) or (isinstance(a, Partial) and type(a) is Partial) or (
-            a == Shard(0) and _shard0_direct(src, m)
+        return (
+            isinstance(a, Replicate)
+            or (isinstance(a, Partial) and type(a) is Partial)
+            or (a == Shard(0) and _shard0_direct(src, m))
         )
     return False
 
@@ -79,7 +84,11 @@ def plan_steps(src: tuple, dst: tuple) -> list[Step]:
             steps.append(("torch", None, cur, dst))
         return steps
     keep = cur[j]
-    if not (isinstance(keep, Replicate) or type(keep) is Partial or (keep == Shard(0) and _shard0_direct(dst, j))):
+    if not (
+        isinstance(keep, Replicate)
+        or type(keep) is Partial
+        or (keep == Shard(0) and _shard0_direct(dst, j))
+    ):
         keep = Replicate()
     pre = _replace(dst, j, keep)
     if pre != cur:
@@ -89,7 +98,10 @@ def plan_steps(src: tuple, dst: tuple) -> list[Step]:
 
 
 def _shard0_layout(layout, mesh: DeviceMesh, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Bounds and this rank's local shape of Shard(0) on mesh dim m over the ragged layout's block."""
+    """Bounds and this rank's local shape of Shard(0) on mesh dim m.
+
+    Computed over the ragged layout's block.
+    """
     block = layout.block_shape
     row_numel = 1
     for s in block[1:]:
@@ -101,11 +113,18 @@ def _shard0_layout(layout, mesh: DeviceMesh, m: int) -> tuple[tuple[int, ...], t
 
 
 def run_step(local: torch.Tensor, spec: DTensorSpec, step: Step) -> coll.Pending:
-    """Launch one step on this rank's local tensor of a DTensor with `spec` (placements = step's src)."""
+    """Launch one step on this rank's local tensor of a DTensor with `spec`.
+
+    The placements of `spec` are the step's src.
+    """
     kind, m, src, dst = step
     mesh, shape = spec.mesh, spec.tensor_meta.shape
     if kind == "torch":
-        plain = DTensor(local, make_spec(mesh, src, shape, local.dtype, spec.tensor_meta.stride), requires_grad=False)
+        plain = DTensor(
+            local,
+            make_spec(mesh, src, shape, local.dtype, spec.tensor_meta.stride),
+            requires_grad=False,
+        )
         return coll._done(plain.redistribute(mesh, dst)._local_tensor)
     a, b = src[m], dst[m]
     group = mesh.get_group(m)
@@ -149,7 +168,8 @@ class _Redistribute(torch.autograd.Function):
         for n, step in enumerate(steps):
             pending = first if n == 0 and first is not None else run_step(local, spec, step)
             local = pending.finish()
-            # Ragged steps leave row-major data (flat shards or gathered blocks): contiguous strides.
+            # Ragged steps leave row-major data (flat shards or gathered blocks):
+            # contiguous strides.
             stride = spec.tensor_meta.stride if step[0] == "torch" else None
             spec = make_spec(spec.mesh, step[3], spec.tensor_meta.shape, local.dtype, stride)
         return _wrap(local, spec, dt.requires_grad)
@@ -163,7 +183,10 @@ class _Redistribute(torch.autograd.Function):
 
 
 class RedistributeHandle:
-    """An asynchronous redistribution: its first collective is in flight; `wait()` returns the DTensor."""
+    """An asynchronous redistribution.
+
+    Its first collective is in flight; `wait()` returns the DTensor.
+    """
 
     def __init__(self, dt: DTensor, dst: tuple, steps: list[Step]):
         self._dt, self._dst, self._steps = dt, dst, steps
@@ -200,7 +223,9 @@ def redistribute(
         raise TypeError(f"redistribute expects a DTensor, got {type(dt).__name__}")
     mesh = device_mesh or dt.device_mesh
     if mesh != dt.device_mesh:
-        raise ValueError(f"redistribute between meshes is not supported: {dt.device_mesh} -> {mesh}")
+        raise ValueError(
+            f"redistribute between meshes is not supported: {dt.device_mesh} -> {mesh}"
+        )
     if placements is None:
         raise ValueError("redistribute needs placements")
     dt = as_ragged(dt)
