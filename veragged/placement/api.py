@@ -144,6 +144,10 @@ def from_local(
     )
 
 
+# `veragged.DTensor.from_local(...)` reads like torch's `DTensor.from_local(...)`.
+RaggedDTensor.from_local = staticmethod(from_local)
+
+
 def local_numel_and_offset(
     shape: Sequence[int], device_mesh: DeviceMesh, placements: Sequence[Placement]
 ) -> tuple[int, int]:

@@ -19,6 +19,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from veragged.placement import ops
+from veragged.placement.layout import ragged_mesh_dim
 
 __all__ = ["RaggedDTensor"]
 
@@ -41,13 +42,15 @@ def make_spec(mesh: DeviceMesh, placements, shape, dtype, stride=None) -> DTenso
 
 
 def accumulate_grads_locally(dt) -> None:
-    """Make gradient accumulation into leaf `dt` run on the local shards.
+    """Make gradient accumulation into leaf `dt` run on the local shards, and keep `.grad` ragged.
 
     The autograd engine adds a new gradient into an existing `.grad` in C++; on torch versions
     whose DTensor fast path skips a subclass's `__torch_dispatch__` (2.11), that add reaches
-    torch's sharding propagation, which rejects RaggedShard. A tensor hook runs before the
-    engine's accumulation: it adds the existing `.grad` itself (a local element-wise add) and
-    clears `.grad`, so the engine only stores the sum. Installed once per leaf.
+    torch's sharding propagation, which rejects RaggedShard, and the engine stores the gradient
+    re-wrapped as a plain DTensor. A tensor hook runs before the engine's accumulation: it adds
+    the existing `.grad` itself (a local element-wise add) and clears `.grad`, so the engine only
+    stores the sum; a post-accumulate hook turns a plain DTensor `.grad` back into a
+    RaggedDTensor. Installed once per leaf.
     """
     if not (isinstance(dt, RaggedDTensor) and dt.is_leaf and dt.requires_grad):
         return
@@ -55,19 +58,29 @@ def accumulate_grads_locally(dt) -> None:
         return
     ref = weakref.ref(dt)
 
-    def hook(grad):
+    def add_existing(grad):
         x = ref()
         if x is None or x.grad is None:
             return None
-        from veragged.placement.redistribute import as_ragged
-
         with torch.no_grad():
-            total = x.grad + as_ragged(grad)
+            total = as_ragged(x.grad) + as_ragged(grad)
         x.grad = None
         return total
 
-    dt.register_hook(hook)
+    def keep_ragged(x):
+        if x.grad is not None and type(x.grad) is not RaggedDTensor:
+            x.grad = as_ragged(x.grad)
+
+    dt.register_hook(add_existing)
+    dt.register_post_accumulate_grad_hook(keep_ragged)
     dt._veragged_accumulates = True
+
+
+def as_ragged(dt):
+    """A plain DTensor whose spec holds a RaggedShard (made by torch code) as a RaggedDTensor."""
+    if type(dt) is DTensor and ragged_mesh_dim(dt.placements) is not None:
+        return RaggedDTensor(dt._local_tensor, dt._spec, requires_grad=dt.requires_grad)
+    return dt
 
 
 class _FromLocal(torch.autograd.Function):
@@ -124,29 +137,8 @@ class RaggedDTensor(DTensor):
             )
         return RaggedDTensor(local, spec, requires_grad=requires_grad)
 
-    @staticmethod
-    def from_local(
-        local_tensor: torch.Tensor,
-        device_mesh: DeviceMesh | None = None,
-        placements: Sequence[Placement] | None = None,
-        *,
-        run_check: bool = False,
-        shape: Sequence[int] | None = None,
-        stride: Sequence[int] | None = None,
-        grad_placements: Sequence[Placement] | None = None,
-    ) -> DTensor:
-        """`DTensor.from_local`, extended to RaggedShard placements (which need `shape`)."""
-        from veragged.placement.api import from_local
-
-        return from_local(
-            local_tensor,
-            device_mesh,
-            placements,
-            run_check=run_check,
-            shape=shape,
-            stride=stride,
-            grad_placements=grad_placements,
-        )
+    # `from_local` (torch's signature, RaggedShard placements allowed) is bound in
+    # veragged/placement/api.py, next to `distribute_tensor`, which it shares its checks with.
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         if not torch.is_grad_enabled():

@@ -149,6 +149,12 @@ def _unwrap_scalar(name, t: torch.Tensor):
     return t
 
 
+def _as_ragged(x):
+    from veragged.placement.dtensor import as_ragged
+
+    return as_ragged(x) if isinstance(x, DTensor) else x
+
+
 def _unwrap(name: str, args, kwargs):
     """Replace DTensors by local tensors.
 
@@ -163,6 +169,7 @@ def _unwrap(name: str, args, kwargs):
             raise _layout_error(name, ref, dt)
 
     def leaf(x, slot: int):
+        x = _as_ragged(x)  # torch code may hand back a plain DTensor with a RaggedShard spec
         if _is_ragged_dt(x):
             check(x, slot)
             locals_to_dt[id(x._local_tensor)] = x

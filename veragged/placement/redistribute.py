@@ -29,7 +29,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from veragged.placement import collectives as coll
-from veragged.placement.dtensor import RaggedDTensor, make_spec
+from veragged.placement.dtensor import RaggedDTensor, as_ragged, make_spec
 from veragged.placement.layout import normalize_placements, ragged_layout, ragged_mesh_dim
 from veragged.placement.ragged_shard import RaggedShard
 
@@ -151,13 +151,6 @@ def _wrap(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTenso
     if ragged_mesh_dim(spec.placements) is not None:
         return RaggedDTensor(local, spec, requires_grad=requires_grad)
     return DTensor(local, spec, requires_grad=requires_grad)
-
-
-def as_ragged(dt: DTensor) -> DTensor:
-    """A plain DTensor whose spec holds a RaggedShard (made by torch code) as a RaggedDTensor."""
-    if type(dt) is DTensor and ragged_mesh_dim(dt.placements) is not None:
-        return RaggedDTensor(dt._local_tensor, dt._spec, requires_grad=dt.requires_grad)
-    return dt
 
 
 class _Redistribute(torch.autograd.Function):
