@@ -6,10 +6,10 @@ For each tensor of a transformer-block-like group, from the same run:
                  padded to ceil(dim0 / P) rows per rank;
   even->R        `full_tensor()` of a RaggedShard with rows spread as evenly as they go
                  (`local_units` differ by at most one row): one all-gather;
-  ragged->R      `full_tensor()` of a RaggedShard with uneven, zero-containing `local_units`
-                 (whole rows): one all-gather of pieces padded to the largest piece, so its bytes
-                 grow with the largest piece (FSDP's planner makes pieces equal; this is the
-                 worst case of an unplanned layout);
+  ragged->R      `full_tensor()` of a RaggedShard with skewed, zero-containing `local_units`
+                 (whole rows): padding every piece to the largest would add more than
+                 `collectives.PADDING_LIMIT` of the bytes, so it runs as one all-to-all of the
+                 exact pieces;
   ragged->root   `redistribute` of the same RaggedShard to a root-only RaggedShard (Muon's
                  gather-to-owner, roots spread over the ranks): one all-to-all.
 
@@ -32,6 +32,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import veragged
 from veragged import RaggedShard
+from veragged.placement.collectives import PADDING_LIMIT
 from veragged.testing import get_mesh, run_on_ranks
 
 WORLD = 4
@@ -54,6 +55,14 @@ def _units(rows, seed):
     counts = (w / w.sum() * rows).floor().long()
     counts[int(torch.argmax(w))] += rows - int(counts.sum())
     return tuple(int(c) for c in counts)
+
+
+def _gather_bytes(sizes, itemsize):
+    """Bytes veragged's ragged -> Replicate receives over the wire, summed over ranks."""
+    P, total = len(sizes), sum(sizes)
+    if P * max(sizes) - total > PADDING_LIMIT * total:  # all-to-all of the exact pieces
+        return (P - 1) * total * itemsize
+    return P * (P - 1) * max(sizes) * itemsize  # all-gather padded to the largest piece
 
 
 def _timed(fn, iters):
@@ -92,8 +101,10 @@ def _worker(shapes, iters):
             "ragged_s": _timed(partial(rs.redistribute, mesh, [Replicate()]), iters),
             "root_s": _timed(partial(rs.redistribute, mesh, [root]), iters),
             "torch_bytes": P * (P - 1) * chunk * itemsize,
-            "even_bytes": P * (P - 1) * -(-shape[0] // P) * row * itemsize,
-            "ragged_bytes": P * (P - 1) * max(sizes) * itemsize,
+            "even_bytes": _gather_bytes(
+                [even.local_numel_and_offset(shape, r)[0] for r in range(P)], itemsize
+            ),
+            "ragged_bytes": _gather_bytes(sizes, itemsize),
             "root_bytes": (numel - sizes[i % P]) * itemsize,
         }
     return rows_out

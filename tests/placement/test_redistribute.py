@@ -204,12 +204,14 @@ def _collective_counts():
     full = _full((18, 5), 3)
     p, q = RaggedShard((0,), (5, 0, 9, 4)), RaggedShard((0,), (0, 0, 18, 0))
     dt = veragged.distribute_tensor(full, mesh, [p])
+    even = veragged.distribute_tensor(full, mesh, [RaggedShard((0,), (5, 4, 5, 4))])
     rep = DTensor.from_local(full, mesh, [Replicate()])
     partial = DTensor.from_local(full, mesh, [Partial()])
     s0 = torch.distributed.tensor.distribute_tensor(full, mesh, [Shard(0)])
     return {
         "distribute": _counts(lambda: veragged.distribute_tensor(full, mesh, [p])),
-        "to_replicate": _counts(lambda: dt.full_tensor()),
+        "to_replicate": _counts(lambda: even.full_tensor()),
+        "skewed_to_replicate": _counts(lambda: dt.full_tensor()),
         "to_root": _counts(lambda: dt.redistribute(mesh, [q])),
         "from_replicate": _counts(lambda: veragged.redistribute(rep, mesh, [p])),
         "from_partial": _counts(lambda: veragged.redistribute(partial, mesh, [p])),
@@ -222,6 +224,8 @@ def test_each_redistribution_is_one_collective():
     for res in run_on_ranks(_collective_counts, WORLD, timeout=120):
         assert res["distribute"] == {"alltoall_base_": 1}, res
         assert res["to_replicate"] == {"_allgather_base_": 1}, res
+        # (5, 0, 9, 4): padding to 9 rows would double the bytes; exact pieces, one all-to-all
+        assert res["skewed_to_replicate"] == {"alltoall_base_": 1}, res
         assert res["to_root"] == {"alltoall_base_": 1}, res
         assert res["from_replicate"] == {}, res
         assert res["from_partial"] == {"_reduce_scatter_base_": 1}, res

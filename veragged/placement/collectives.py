@@ -59,26 +59,47 @@ def slice_local(full: torch.Tensor, bounds: Sequence[int], rank: int) -> Pending
     return _done(full.reshape(-1)[bounds[rank] : bounds[rank + 1]].clone())
 
 
+# A gather whose padded all-gather would move more than this fraction of extra bytes runs as an
+# all-to-all of the exact pieces instead (see `all_gather`).
+PADDING_LIMIT = 0.125
+
+
 def all_gather(
     local: torch.Tensor, bounds: Sequence[int], group, block_shape: Sequence[int]
 ) -> Pending:
-    """Ragged -> Replicate: one all-gather of pieces padded to the largest, then views of it."""
+    """Ragged -> Replicate in one collective.
+
+    Pieces of (nearly) equal size: an all-gather of pieces padded to the largest, then a view of
+    the output (no copy when they are equal). Pieces so uneven that padding would add more than
+    `PADDING_LIMIT` of the tensor's bytes (root-heavy or skewed `local_units`): an all-to-all
+    that sends this rank's piece to every rank and receives every piece at its final place, so
+    the wire carries no padding and the output needs no compaction; the price is a send buffer
+    of `world * local` elements.
+    """
     sizes = _sizes(bounds)
-    width = max(sizes)
+    width, total, n = max(sizes), bounds[-1], len(sizes)
     local = local.reshape(-1)
+    if n * width - total > PADDING_LIMIT * total:
+        send = local.repeat(n)  # contiguous, also for an empty piece
+        out = local.new_empty(total)
+        work = dist.all_to_all_single(
+            out, send, output_split_sizes=sizes, input_split_sizes=[local.numel()] * n,
+            group=group, async_op=True,
+        )
+        return Pending(work, lambda: out.view(block_shape))
     if local.numel() != width:
         padded = local.new_empty(width)
         padded[: local.numel()].copy_(local)
         local = padded
     elif not local.is_contiguous():
         local = local.contiguous()
-    out = local.new_empty(width * len(sizes))
+    out = local.new_empty(width * n)
     work = dist.all_gather_into_tensor(out, local, group=group, async_op=True)
 
     def finish() -> torch.Tensor:
         if all(s == width for s in sizes):
             return out.view(block_shape)
-        rows = out.view(len(sizes), width)
+        rows = out.view(n, width)
         return torch.cat([rows[r, :s] for r, s in enumerate(sizes) if s]).view(block_shape)
 
     return Pending(work, finish)
