@@ -193,7 +193,11 @@ def _unwrap(name: str, args, kwargs):
 
 
 def _wrap(out, refs, locals_to_dt):
+    """Wrap local outputs as RaggedDTensors: output i of a `_foreach_*` op takes the layout of
+    list position i, any other output the layout shared by the DTensor operands."""
     from veragged.placement.dtensor import RaggedDTensor
+
+    lists = any(slot >= 0 for slot in refs)
 
     def one(t, slot: int):
         if not isinstance(t, torch.Tensor):
@@ -210,9 +214,7 @@ def _wrap(out, refs, locals_to_dt):
         return RaggedDTensor._wrap(t, ref._spec)
 
     if isinstance(out, (list, tuple)):
-        return type(out)(
-            one(t, i if len(refs) > 1 or -1 not in refs else -1) for i, t in enumerate(out)
-        )
+        return type(out)(one(t, i if lists else -1) for i, t in enumerate(out))
     return one(out, -1)
 
 
