@@ -15,7 +15,15 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Pending", "all_gather", "all_to_all", "reduce_scatter", "shard0_bounds", "slice_local"]
+__all__ = [
+    "Pending",
+    "all_gather",
+    "all_to_all",
+    "done",
+    "reduce_scatter",
+    "shard0_bounds",
+    "slice_local",
+]
 
 
 class Pending:
@@ -31,6 +39,10 @@ class Pending:
     def is_completed(self) -> bool:
         return self._result is not None or self._work is None or self._work.is_completed()
 
+    def then(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Pending":
+        """The same collective, with `fn` applied to its result."""
+        return Pending(self._work, lambda: fn(self._finish()))
+
     def finish(self) -> torch.Tensor:
         if self._result is None:
             if self._work is not None:
@@ -40,7 +52,8 @@ class Pending:
         return self._result
 
 
-def _done(t: torch.Tensor) -> Pending:
+def done(t: torch.Tensor) -> Pending:
+    """A result that needs no communication."""
     return Pending(None, lambda: t)
 
 
@@ -56,7 +69,7 @@ def shard0_bounds(dim0: int, row_numel: int, num_ranks: int) -> tuple[int, ...]:
 
 def slice_local(full: torch.Tensor, bounds: Sequence[int], rank: int) -> Pending:
     """Replicate -> ragged: this rank's elements of the block, copied (no communication)."""
-    return _done(full.reshape(-1)[bounds[rank] : bounds[rank + 1]].clone())
+    return done(full.reshape(-1)[bounds[rank] : bounds[rank + 1]].clone())
 
 
 # A gather whose padded all-gather would move more than this fraction of extra bytes runs as an

@@ -20,6 +20,7 @@ Replicate gradients, as in torch). The async form launches the first collective 
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -59,7 +60,7 @@ def _direct(a: Placement, b: Placement, src: tuple, dst: tuple, m: int) -> bool:
     if rb:
         return (
             isinstance(a, Replicate)
-            or (isinstance(a, Partial) and type(a) is Partial)
+            or type(a) is Partial
             or (a == Shard(0) and _shard0_direct(src, m))
         )
     return False
@@ -103,9 +104,7 @@ def _shard0_layout(layout, mesh: DeviceMesh, m: int) -> tuple[tuple[int, ...], t
     Computed over the ragged layout's block.
     """
     block = layout.block_shape
-    row_numel = 1
-    for s in block[1:]:
-        row_numel *= s
+    row_numel = math.prod(block[1:])
     bounds = coll.shard0_bounds(block[0], row_numel, mesh.size(m))
     rank = layout.coordinate
     rows = (bounds[rank + 1] - bounds[rank]) // row_numel if row_numel else 0
@@ -125,7 +124,7 @@ def run_step(local: torch.Tensor, spec: DTensorSpec, step: Step) -> coll.Pending
             make_spec(mesh, src, shape, local.dtype, spec.tensor_meta.stride),
             requires_grad=False,
         )
-        return coll._done(plain.redistribute(mesh, dst)._local_tensor)
+        return coll.done(plain.redistribute(mesh, dst)._local_tensor)
     a, b = src[m], dst[m]
     group = mesh.get_group(m)
     if isinstance(a, RaggedShard):
@@ -137,7 +136,7 @@ def run_step(local: torch.Tensor, spec: DTensorSpec, step: Step) -> coll.Pending
             return coll.all_to_all(local, la.bounds, lb.bounds, la.coordinate, group)
         bounds, local_shape = _shard0_layout(la, mesh, m)
         pending = coll.all_to_all(local, la.bounds, bounds, la.coordinate, group)
-        return coll.Pending(pending._work, lambda: pending._finish().view(local_shape))
+        return pending.then(lambda out: out.view(local_shape))
     lb = ragged_layout(shape, mesh, dst)
     if isinstance(a, Replicate):
         return coll.slice_local(local, lb.bounds, lb.coordinate)
