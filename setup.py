@@ -2,7 +2,7 @@
 
 Environment:
   VERAGGED_CUDA=1 / =0   force the CUDA or the CPU-only build (default: auto, see below)
-  TORCH_CUDA_ARCH_LIST   CUDA architectures (torch's default when unset; CI uses 9.0)
+  TORCH_CUDA_ARCH_LIST   CUDA architectures (unset: the visible GPUs', or 9.0 with none; CI: 9.0)
   DEBUG=1                -O0 -g
   MAX_JOBS               parallel compile jobs (ninja)
 """
@@ -56,16 +56,23 @@ def choose_cuda():
     return True, f"torch CUDA {torch.version.cuda}, nvcc {nvcc}"
 
 
+DEFAULT_ARCHS = "9.0"  # Hopper (H100/H200), the GPUs this project is run on
+
+
 def make_extension():
     build_cuda, reason = choose_cuda()
     cpp = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
     cu = sorted(glob.glob("csrc/**/cuda/*.cu", recursive=True)) if build_cuda else []
     sources = f"{len(cpp)} C++ and {len(cu)} CUDA sources"
+    if build_cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        # torch picks the architectures of the visible GPUs; with none it has nothing to pick.
+        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
+        sources += f", no GPU visible: TORCH_CUDA_ARCH_LIST={DEFAULT_ARCHS}"
     print(f"veragged: {'CUDA' if build_cuda else 'CPU-only'} build ({reason}; {sources})", flush=True)
     debug = os.environ.get("DEBUG", "0") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
     macros = [("VERAGGED_WITH_CUDA", "1")] if build_cuda else []
-    args = {"cxx": opt + ["-Wall", "-Wextra", "-Wno-unused-parameter"], "nvcc": opt + ["--use_fast_math"]}
+    args = {"cxx": opt + ["-Wall", "-Wextra", "-Wno-unused-parameter"], "nvcc": opt}
     kind = CUDAExtension if build_cuda else CppExtension
     return kind(
         "veragged._C",

@@ -1,9 +1,9 @@
 // The one TORCH_LIBRARY(veragged, m): every schema of the extension, and the _C module stub.
 //
 // Schemas live here only. Ops with tensor arguments take their kernels from TORCH_LIBRARY_IMPL
-// blocks beside each implementation (CPU, CUDA) plus a registered fake kernel (none exist yet:
-// the first are the DBuffer kernels); host-side ops with no tensor arguments bind their single
-// kernel with the schema.
+// blocks beside each implementation (CPU: dbuffer/group_ops.cpp, CUDA: dbuffer/cuda/group_ops.cu)
+// plus a fake kernel registered in Python (veragged/dbuffer/ops.py); host-side ops with no tensor
+// arguments bind their single kernel with the schema.
 
 #include <Python.h>
 #include <torch/library.h>
@@ -33,4 +33,9 @@ TORCH_LIBRARY(veragged, m) {
       "interval_overlaps(int[] src_bounds, int[] dst_bounds, int rank) "
       "-> (int[] send, int[] recv)",
       &veragged::interval_overlaps_op);
+  // DBuffer group ops: one launch over a group's flat buffer ([Note: DBuffer group ops]).
+  m.def("cast_scale_(Tensor(a!) dst, Tensor src, float alpha=1.0) -> ()");
+  m.def("accumulate_(Tensor(a!) dst, Tensor src, float alpha=1.0) -> ()");
+  m.def("scale_(Tensor(a!) dst, float alpha) -> ()");
+  m.def("zero_ranges_(Tensor(a!) dst, int[] ranges) -> ()");
 }

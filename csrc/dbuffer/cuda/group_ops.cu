@@ -1,0 +1,147 @@
+// CUDA kernels of the DBuffer group ops; see [Note: DBuffer group ops] in ../group_ops.h.
+// One launch per call, grid-stride loops, on the current stream. Multiplies and adds use the
+// _rn intrinsics so nvcc does not contract them into an FMA (the CPU kernels round the same way).
+
+#include "dbuffer/group_ops.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+namespace veragged::dbuffer {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxRanges = 64;  // ranges passed by value per launch
+
+__device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add(double a, double b) { return __dadd_rn(a, b); }
+
+int blocks_for(int64_t n) {
+  const int64_t want = (n + kThreads - 1) / kThreads;
+  const int cap = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 32;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, cap)));
+}
+
+template <typename dst_t, typename src_t>
+__global__ void cast_scale_kernel(dst_t* d, const src_t* s, int64_t n, double alpha) {
+  using acc_t = typename AccType<dst_t>::type;
+  const acc_t a = static_cast<acc_t>(alpha);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    d[i] = static_cast<dst_t>(mul(a, static_cast<acc_t>(s[i])));
+}
+
+template <typename dst_t, typename src_t>
+__global__ void accumulate_kernel(dst_t* d, const src_t* s, int64_t n, double alpha) {
+  using acc_t = typename AccType<dst_t>::type;
+  const acc_t a = static_cast<acc_t>(alpha);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const acc_t scaled = mul(a, static_cast<acc_t>(static_cast<dst_t>(s[i])));
+    d[i] = static_cast<dst_t>(add(static_cast<acc_t>(d[i]), scaled));
+  }
+}
+
+template <typename T>
+__global__ void scale_kernel(T* d, int64_t n, double alpha) {
+  using acc_t = typename AccType<T>::type;
+  const acc_t a = static_cast<acc_t>(alpha);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    d[i] = static_cast<T>(mul(a, static_cast<acc_t>(d[i])));
+}
+
+struct Ranges {
+  int64_t begin[kMaxRanges];
+  int64_t end[kMaxRanges];
+};
+
+// blockIdx.y picks the range; x blocks stride over it. Zero is written as bytes (+0.0 is all
+// zero bits in every floating type).
+__global__ void zero_ranges_kernel(unsigned char* base, int64_t item, Ranges r) {
+  const int64_t lo = r.begin[blockIdx.y] * item, hi = r.end[blockIdx.y] * item;
+  for (int64_t i = lo + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < hi; i += int64_t(gridDim.x) * blockDim.x)
+    base[i] = 0;
+}
+
+template <typename Launch>
+void dispatch_pair(at::Tensor& dst, const at::Tensor& src, Launch launch) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "dbuffer_pair", [&] {
+    using dst_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "dbuffer_pair", [&] {
+      launch(dst.data_ptr<dst_t>(), src.const_data_ptr<scalar_t>());
+    });
+  });
+}
+
+void cast_scale_op(at::Tensor dst, const at::Tensor& src, double alpha) {
+  check_pair(dst, src, "cast_scale_");
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(dst.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch_pair(dst, src, [&](auto* d, const auto* s) {
+    cast_scale_kernel<<<blocks_for(n), kThreads, 0, stream>>>(d, s, n, alpha);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void accumulate_op(at::Tensor dst, const at::Tensor& src, double alpha) {
+  check_pair(dst, src, "accumulate_");
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(dst.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch_pair(dst, src, [&](auto* d, const auto* s) {
+    accumulate_kernel<<<blocks_for(n), kThreads, 0, stream>>>(d, s, n, alpha);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void scale_op(at::Tensor dst, double alpha) {
+  check_flat(dst, "scale_", "dst");
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(dst.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "scale_", [&] {
+    scale_kernel<<<blocks_for(n), kThreads, 0, stream>>>(dst.data_ptr<scalar_t>(), n, alpha);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void zero_ranges_op(at::Tensor dst, c10::IntArrayRef ranges) {
+  TORCH_CHECK_VALUE(dst.is_contiguous(), "zero_ranges_: dst must be contiguous");
+  check_ranges(ranges, dst.numel());
+  const c10::cuda::CUDAGuard guard(dst.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto* base = static_cast<unsigned char*>(dst.data_ptr());
+  const int64_t count = static_cast<int64_t>(ranges.size() / 2);
+  for (int64_t first = 0; first < count; first += kMaxRanges) {  // one launch per 64 ranges
+    Ranges r{};
+    int64_t longest = 0, used = std::min<int64_t>(kMaxRanges, count - first);
+    for (int64_t i = 0; i < used; ++i) {
+      r.begin[i] = ranges[2 * (first + i)];
+      r.end[i] = ranges[2 * (first + i) + 1];
+      longest = std::max(longest, r.end[i] - r.begin[i]);
+    }
+    if (longest == 0) continue;
+    const dim3 grid(blocks_for(longest * dst.element_size()), static_cast<unsigned>(used));
+    zero_ranges_kernel<<<grid, kThreads, 0, stream>>>(base, dst.element_size(), r);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(veragged, CUDA, m) {
+  m.impl("cast_scale_", &cast_scale_op);
+  m.impl("accumulate_", &accumulate_op);
+  m.impl("scale_", &scale_op);
+  m.impl("zero_ranges_", &zero_ranges_op);
+}
+
+}  // namespace veragged::dbuffer

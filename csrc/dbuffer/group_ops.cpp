@@ -1,0 +1,105 @@
+// CPU kernels of the DBuffer group ops; see [Note: DBuffer group ops] in group_ops.h.
+
+#include "dbuffer/group_ops.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+namespace veragged::dbuffer {
+namespace {
+
+constexpr int64_t kGrain = 1 << 15;  // elements per parallel task
+
+// Runs `body(dst_ptr, src_ptr, begin, end)` over [0, numel) with dst/src element types resolved.
+template <typename Body>
+void for_pair(at::Tensor& dst, const at::Tensor& src, Body body) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "dbuffer_pair", [&] {
+    using dst_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "dbuffer_pair", [&] {
+      using src_t = scalar_t;
+      dst_t* d = dst.data_ptr<dst_t>();
+      const src_t* s = src.const_data_ptr<src_t>();
+      at::parallel_for(0, dst.numel(), kGrain, [&](int64_t b, int64_t e) { body(d, s, b, e); });
+    });
+  });
+}
+
+}  // namespace
+
+void cast_scale_cpu(at::Tensor& dst, const at::Tensor& src, double alpha) {
+  for_pair(dst, src, [alpha](auto* d, const auto* s, int64_t b, int64_t e) {
+    using dst_t = std::remove_pointer_t<decltype(d)>;
+    using acc_t = typename AccType<dst_t>::type;
+    const acc_t a = static_cast<acc_t>(alpha);
+    for (int64_t i = b; i < e; ++i) d[i] = static_cast<dst_t>(a * static_cast<acc_t>(s[i]));
+  });
+}
+
+void accumulate_cpu(at::Tensor& dst, const at::Tensor& src, double alpha) {
+  for_pair(dst, src, [alpha](auto* d, const auto* s, int64_t b, int64_t e) {
+    using dst_t = std::remove_pointer_t<decltype(d)>;
+    using acc_t = typename AccType<dst_t>::type;
+    const acc_t a = static_cast<acc_t>(alpha);
+    for (int64_t i = b; i < e; ++i) {
+      const acc_t scaled = a * static_cast<acc_t>(static_cast<dst_t>(s[i]));
+      d[i] = static_cast<dst_t>(static_cast<acc_t>(d[i]) + scaled);
+    }
+  });
+}
+
+void scale_cpu(at::Tensor& dst, double alpha) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "scale_", [&] {
+    using acc_t = typename AccType<scalar_t>::type;
+    const acc_t a = static_cast<acc_t>(alpha);
+    scalar_t* d = dst.data_ptr<scalar_t>();
+    at::parallel_for(0, dst.numel(), kGrain, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) d[i] = static_cast<scalar_t>(a * static_cast<acc_t>(d[i]));
+    });
+  });
+}
+
+void zero_ranges_cpu(at::Tensor& dst, c10::IntArrayRef ranges) {
+  char* base = static_cast<char*>(dst.data_ptr());
+  const int64_t item = dst.element_size();
+  const int64_t n = static_cast<int64_t>(ranges.size() / 2);
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t lo = ranges[2 * r], hi = ranges[2 * r + 1];
+      std::memset(base + lo * item, 0, static_cast<size_t>((hi - lo) * item));  // +0.0 is all zero bits
+    }
+  });
+}
+
+namespace {
+
+void cast_scale_op(at::Tensor dst, const at::Tensor& src, double alpha) {
+  check_pair(dst, src, "cast_scale_");
+  cast_scale_cpu(dst, src, alpha);
+}
+void accumulate_op(at::Tensor dst, const at::Tensor& src, double alpha) {
+  check_pair(dst, src, "accumulate_");
+  accumulate_cpu(dst, src, alpha);
+}
+void scale_op(at::Tensor dst, double alpha) {
+  check_flat(dst, "scale_", "dst");
+  scale_cpu(dst, alpha);
+}
+void zero_ranges_op(at::Tensor dst, c10::IntArrayRef ranges) {
+  TORCH_CHECK_VALUE(dst.is_contiguous(), "zero_ranges_: dst must be contiguous");
+  check_ranges(ranges, dst.numel());
+  zero_ranges_cpu(dst, ranges);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(veragged, CPU, m) {
+  m.impl("cast_scale_", &cast_scale_op);
+  m.impl("accumulate_", &accumulate_op);
+  m.impl("scale_", &scale_op);
+  m.impl("zero_ranges_", &zero_ranges_op);
+}
+
+}  // namespace veragged::dbuffer

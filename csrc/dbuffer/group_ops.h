@@ -1,0 +1,68 @@
+// Group-level fused kernels of a DBuffer: the checks and element math shared by the CPU
+// (group_ops.cpp) and CUDA (cuda/group_ops.cu) kernels.
+//
+// [Note: DBuffer group ops]
+// A DBuffer keeps a whole parameter group in one flat allocation, so what FSDP does per tensor
+// (zero the gradients, divide them by the world size, cast fp32 shards to the bf16 all-gather
+// input, accumulate a reduced gradient into the sharded one) is one kernel launch per group over
+// a flat range. Each op also fuses the steps torch would run as separate passes:
+//   cast_scale_(dst, src, alpha):   dst = cast<dst>(alpha * src)        (one read, one write)
+//   accumulate_(dst, src, alpha):   dst = cast<dst>(dst + alpha * src)  (src may be narrower)
+//   scale_(dst, alpha):             dst = cast<dst>(alpha * dst)
+//   zero_ranges_(dst, ranges):      dst[a_i:b_i] = 0 for every [a_i, b_i) in one launch
+// Arithmetic is done in `acc_t` (float for half/bf16/float, double for double) with an explicit
+// multiply then add (no fused multiply-add), so CPU and CUDA round identically and match torch's
+// `dst.add_(src.to(dst.dtype), alpha=alpha)` for float32.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace veragged::dbuffer {
+
+template <typename T>
+struct AccType {
+  using type = float;
+};
+template <>
+struct AccType<double> {
+  using type = double;
+};
+
+inline void check_flat(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  TORCH_CHECK_VALUE(t.is_floating_point(), op, ": ", name, " must be a floating tensor, got ",
+                    t.scalar_type());
+}
+
+inline void check_pair(const at::Tensor& dst, const at::Tensor& src, const char* op) {
+  check_flat(dst, op, "dst");
+  check_flat(src, op, "src");
+  TORCH_CHECK_VALUE(dst.numel() == src.numel(), op, ": dst has ", dst.numel(),
+                    " elements but src has ", src.numel());
+  TORCH_CHECK_VALUE(dst.device() == src.device(), op, ": dst is on ", dst.device(),
+                    " but src is on ", src.device());
+}
+
+// Validates [a0, b0, a1, b1, ...] against a buffer of `numel` elements.
+inline void check_ranges(c10::IntArrayRef ranges, int64_t numel) {
+  TORCH_CHECK_VALUE(ranges.size() % 2 == 0, "zero_ranges_: ranges must hold (begin, end) pairs, got ",
+                    ranges.size(), " values");
+  for (size_t i = 0; i < ranges.size(); i += 2) {
+    TORCH_CHECK_VALUE(0 <= ranges[i] && ranges[i] <= ranges[i + 1] && ranges[i + 1] <= numel,
+                      "zero_ranges_: range ", i / 2, " = [", ranges[i], ", ", ranges[i + 1],
+                      ") is not inside [0, ", numel, ")");
+  }
+}
+
+// Kernels per device (group_ops.cpp, cuda/group_ops.cu).
+void cast_scale_cpu(at::Tensor& dst, const at::Tensor& src, double alpha);
+void accumulate_cpu(at::Tensor& dst, const at::Tensor& src, double alpha);
+void scale_cpu(at::Tensor& dst, double alpha);
+void zero_ranges_cpu(at::Tensor& dst, c10::IntArrayRef ranges);
+
+}  // namespace veragged::dbuffer
