@@ -2,8 +2,10 @@
 
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
-from veragged import _C  # noqa: F401  (registers torch.ops.veragged.*)
-from veragged import dbuffer  # noqa: F401  (fake kernels of the group ops)
+from veragged import (
+    _C,  # noqa: F401  (registers torch.ops.veragged.*)
+    dbuffer,  # noqa: F401  (fake kernels of the group ops)
+)
 from veragged.placement import (
     RaggedDTensor,
     RaggedShard,

@@ -24,7 +24,9 @@ def test_cast_scale_and_accumulate_match_torch_bit_for_bit(dst_dtype, src_dtype,
     want = (src.to(acc) * torch.tensor(0.37, dtype=acc)).to(dst_dtype)
     assert torch.equal(out, want)
     dst = _randn(n, dst_dtype, 2)
-    expected = (dst.to(acc) + src.to(dst_dtype).to(acc) * torch.tensor(-1.5, dtype=acc)).to(dst_dtype)
+    expected = (dst.to(acc) + src.to(dst_dtype).to(acc) * torch.tensor(-1.5, dtype=acc)).to(
+        dst_dtype
+    )
     ops.accumulate_(dst, src, -1.5)
     assert torch.equal(dst, expected)
 
@@ -36,7 +38,9 @@ def test_scale_and_zero_ranges(dtype):
     want = (x.to(acc) * torch.tensor(0.125, dtype=acc)).to(dtype)
     ops.scale_(x, 0.125)
     assert torch.equal(x, want)
-    ranges = [(0, 3), (10, 10), (100, 4000), (4999, 5000)] + [(4100 + 2 * i, 4101 + 2 * i) for i in range(80)]
+    ranges = [(0, 3), (10, 10), (100, 4000), (4999, 5000)] + [
+        (4100 + 2 * i, 4101 + 2 * i) for i in range(80)
+    ]
     want = x.clone()
     for b, e in ranges:
         want[b:e] = 0

@@ -40,7 +40,9 @@ def _scale_fake(dst, alpha):
 @torch.library.register_fake("veragged::zero_ranges_")
 def _zero_ranges_fake(dst, ranges):
     if len(ranges) % 2:
-        raise ValueError(f"zero_ranges_: ranges must hold (begin, end) pairs, got {len(ranges)} values")
+        raise ValueError(
+            f"zero_ranges_: ranges must hold (begin, end) pairs, got {len(ranges)} values"
+        )
 
 
 def cast_scale_(dst: torch.Tensor, src: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
