@@ -1,0 +1,208 @@
+"""DBuffer on 4 gloo ranks (and a 2x2 HSDP mesh): layout, views, in-place collectives, gradients."""
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from veragged.dbuffer.buffer import ALIGN_BYTES, DBuffer
+from veragged.placement.dtensor import RaggedDTensor
+from veragged.testing import get_mesh, run_on_ranks
+
+# Element-wise, 16-row blocks, whole-tensor, uneven rows (18 over 4 ranks), a 3-element bias.
+SHAPES = [
+    ("w_elem", (7, 13), 1),
+    ("w_rows", (64, 24), 16 * 24),
+    ("whole", (5, 6), 30),
+    ("uneven", (18, 5), 5),
+    ("bias", (3,), 1),
+]
+
+_COPY_OPS = {
+    "copy_",
+    "_to_copy",
+    "cat",
+    "clone",
+    "split_with_sizes_copy",
+    "chunk_cat",
+    "all_gather_copy_in",
+}
+
+
+class CopyCounter(TorchDispatchMode):
+    """Bytes written by copy-like ops outside collectives, and by veragged's fused cast kernel.
+
+    Gloo emulates reduce-scatter with an all-reduce plus a copy of this rank's chunk into the
+    output; copies into a buffer that a collective received are its own and not counted here.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.copied = 0
+        self.cast = 0
+        self._collective_buffers: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        namespace, name = func._schema.name.split("::")
+        if namespace == "c10d":
+            for a in args:
+                for t in a if isinstance(a, (list, tuple)) else [a]:
+                    if isinstance(t, torch.Tensor):
+                        self._collective_buffers.add(t.untyped_storage().data_ptr())
+        elif name in _COPY_OPS:
+            dst = args[0] if name == "copy_" else None
+            if dst is None or dst.untyped_storage().data_ptr() not in self._collective_buffers:
+                outs = out if isinstance(out, (list, tuple)) else [out]
+                self.copied += sum(
+                    t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor)
+                )
+        elif name == "cast_scale_":
+            self.cast += args[0].numel() * args[0].element_size()
+        return out
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return [(n, torch.randn(s, generator=g)) for n, s, _ in SHAPES]
+
+
+def _layout_and_views():
+    mesh = get_mesh()
+    tensors = _tensors()
+    buf = DBuffer(tensors, mesh, block_sizes=[b for *_, b in SHAPES])
+    res = {}
+    res["aligned"] = (
+        buf.shard.data_ptr() % ALIGN_BYTES == 0 and (buf.shard_size * 4) % ALIGN_BYTES == 0
+    )
+    res["ragged_params"] = all(
+        isinstance(p, RaggedDTensor) and isinstance(p, torch.nn.Parameter) for p in buf.params
+    )
+    res["full"] = all(torch.equal(p.full_tensor(), t) for p, (_, t) in zip(buf.params, tensors))
+    storage = buf.shard.untyped_storage().data_ptr()
+    res["param_views"] = all(
+        p._local_tensor.untyped_storage().data_ptr() == storage for p in buf.params
+    )
+    # block boundaries are never cut: a 16-row block and the whole tensor stay on one rank each
+    rows = buf.params[1].placements[0]
+    res["rows_units"] = rows.dims == (0,) and all(u % 16 == 0 for u in rows.local_units)
+    res["whole_units"] = sum(1 for u in buf.params[2].placements[0].local_units if u) == 1
+    with CopyCounter() as counter:
+        buf.unshard()
+    res["unsharded"] = all(torch.equal(u, t) for u, (_, t) in zip(buf.unsharded_params, tensors))
+    res["no_copies"] = counter.copied == 0 and counter.cast == 0
+    # an optimizer step on the sharded parameters writes the buffer the next all-gather reads
+    with torch.no_grad():
+        for p in buf.params:
+            p.mul_(2)
+    buf.reshard()
+    res["freed"] = not buf.is_unsharded and buf._unsharded.untyped_storage().size() == 0
+    work = buf.unshard(async_op=True)
+    buf.wait_unshard()
+    res["async"] = work is not None and all(
+        torch.equal(u, 2 * t) for u, (_, t) in zip(buf.unsharded_params, tensors)
+    )
+    return res
+
+
+def test_layout_views_and_in_place_all_gather():
+    for res in run_on_ranks(_layout_and_views, 4, timeout=120):
+        assert all(res.values()), res
+
+
+def _gradients():
+    mesh = get_mesh()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tensors = _tensors()
+    buf = DBuffer(tensors, mesh, block_sizes=[b for *_, b in SHAPES])
+    res = {}
+
+    def rank_grad(i, t, step):
+        return torch.full(t.shape, float(rank + 1 + i + step)) * torch.linspace(
+            0, 1, t.numel()
+        ).view(t.shape)
+
+    def mean_grad(i, t, step):
+        return (
+            sum(torch.full(t.shape, float(r + 1 + i + step)) for r in range(world))
+            / world
+            * torch.linspace(0, 1, t.numel()).view(t.shape)
+        )
+
+    with CopyCounter() as counter:
+        grads = buf.zero_unsharded_grads()
+        for i, ((_, t), g) in enumerate(zip(tensors, grads)):
+            g.add_(rank_grad(i, t, 0))  # stands for the autograd engine accumulating in place
+        buf.reduce_grads()
+    res["no_copies"] = counter.copied == 0
+    res["grads"] = all(
+        isinstance(p.grad, RaggedDTensor)
+        and torch.allclose(p.grad.full_tensor(), mean_grad(i, t, 0))
+        for i, (p, (_, t)) in enumerate(zip(buf.params, tensors))
+    )
+    res["grad_views"] = all(
+        p.grad._local_tensor.untyped_storage().data_ptr()
+        == buf._shard_grad.untyped_storage().data_ptr()
+        for p in buf.params
+    )
+    # accumulation across two reductions; a .grad set to None starts from zero
+    buf.params[0].grad = None
+    grads = buf.zero_unsharded_grads()
+    for i, ((_, t), g) in enumerate(zip(tensors, grads)):
+        g.add_(rank_grad(i, t, 1))
+    buf.reduce_grads(accumulate=True)
+    res["accumulate"] = all(
+        torch.allclose(p.grad.full_tensor(), mean_grad(i, t, 1) + (mean_grad(i, t, 0) if i else 0))
+        for i, (p, (_, t)) in enumerate(zip(buf.params, tensors))
+    )
+    return res
+
+
+def test_reduce_scatter_into_sharded_gradient_views():
+    for res in run_on_ranks(_gradients, 4, timeout=120):
+        assert all(res.values()), res
+
+
+def _mixed_precision_and_hsdp():
+    mesh = get_mesh()
+    tensors = _tensors()
+    buf = DBuffer(
+        tensors,
+        mesh,
+        shard_dim=1,
+        block_sizes=[b for *_, b in SHAPES],
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+    )
+    res = {"slot_aligned": (buf.shard_size * 2) % ALIGN_BYTES == 0}
+    with CopyCounter() as counter:
+        buf.unshard()
+    res["bf16"] = all(
+        u.dtype == torch.bfloat16 and torch.equal(u, t.bfloat16())
+        for u, (_, t) in zip(buf.unsharded_params, tensors)
+    )
+    res["only_cast"] = counter.copied == 0 and counter.cast == buf.shard_size * 2
+    grads = buf.zero_unsharded_grads()
+    rank = dist.get_rank()
+    for (_, t), g in zip(tensors, grads):
+        g.fill_(float(rank))
+    buf.reduce_grads()
+    want = sum(range(4)) / 4  # mean over both mesh dims
+    res["hsdp_grads"] = all(
+        torch.allclose(p.grad.full_tensor(), torch.full(t.shape, want))
+        for p, (_, t) in zip(buf.params, tensors)
+    )
+    res["master_dtype"] = all(
+        p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in buf.params
+    )
+    return res
+
+
+def test_mixed_precision_and_hsdp_on_2x2_mesh():
+    for res in run_on_ranks(
+        _mixed_precision_and_hsdp,
+        4,
+        mesh_shape=(2, 2),
+        mesh_dim_names=("replicate", "shard"),
+        timeout=120,
+    ):
+        assert all(res.values()), res

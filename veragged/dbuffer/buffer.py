@@ -1,0 +1,262 @@
+"""DBuffer: a parameter group in one planned flat buffer, gathered and reduced in place.
+
+[Note: DBuffer layout]
+The planner (`veragged.plan`) places the group's tensors in one global buffer of `P * S` elements
+(P ranks of the shard mesh dim, S per rank): every tensor contiguous, no block cut by a rank
+boundary, S a multiple of `256 / itemsize` so every rank's slot starts 256-byte aligned. Then:
+- the *shard* buffer (S elements, the master dtype) is this rank's slot. The sharded parameters
+  are RaggedShard DTensors whose local tensors are views into it, so optimizers and DCP see
+  ordinary RaggedShard DTensors and write the buffer directly;
+- the *unsharded* buffer (P * S elements, the compute dtype) is the all-gather output; the
+  unsharded parameters are views into it, made once. `all_gather_into_tensor` writes it from the
+  shard buffer (or, with a compute dtype, from the shard cast into this rank's slot by one fused
+  kernel), so nothing is copied in before or out after the collective. `reshard()` frees its
+  storage and `unshard()` reallocates the same storage object, so the views (and tensors autograd
+  saved from them) stay valid;
+- the *gradient* buffer (P * S elements) is where backward writes: the unsharded parameters'
+  `.grad` are views into it, zeroed by one launch, so the autograd engine accumulates into place,
+  and `reduce_scatter_tensor` reads it as is; the result is scaled (and cast) into the sharded
+  gradients, views into one S-element buffer, by one fused kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Placement, Replicate
+
+from veragged.dbuffer import ops
+from veragged.placement.dtensor import RaggedDTensor, make_spec
+from veragged.placement.ragged_shard import RaggedShard
+from veragged.planner import plan
+
+__all__ = ["DBuffer"]
+
+ALIGN_BYTES = 256
+
+
+def aligned_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D tensor of `numel` elements whose first element is 256-byte aligned."""
+    item = torch.empty((), dtype=dtype).element_size()
+    extra = ALIGN_BYTES // item
+    raw = torch.empty(numel + extra, dtype=dtype, device=device)
+    skip = (-raw.data_ptr() % ALIGN_BYTES) // item
+    return raw[skip : skip + numel]
+
+
+def ragged_placement(shape: Sequence[int], counts: Sequence[int]) -> RaggedShard:
+    """The coarsest RaggedShard giving each rank `counts[r]` elements of a tensor of `shape`.
+
+    Rows of `shape[k:]` for the smallest k whose row size divides every count (k = ndim, single
+    elements, always does), so row- and block-granular parameters keep row units.
+    """
+    shape = tuple(shape)
+    for k in range(len(shape) + 1):
+        row = math.prod(shape[k:])
+        if row and all(c % row == 0 for c in counts):
+            return RaggedShard(tuple(range(k)), tuple(c // row for c in counts))
+    return RaggedShard(tuple(range(len(shape))), tuple(counts))  # numel 0: any layout
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    shape: torch.Size
+    start: int  # global range [start, end) in the P * S buffer
+    end: int
+    local: tuple[int, int]  # this rank's [begin, end) inside its shard
+    placement: RaggedShard
+
+
+class DBuffer:
+    """One parameter group's flat buffers on one mesh; see [Note: DBuffer layout].
+
+    Args:
+        tensors: `(name, tensor)` pairs with the full values, the same on every rank.
+        mesh: the device mesh; its `shard_dim` shards the group, any other dim replicates it
+            (HSDP: gradients are all-reduced over it after the reduce-scatter).
+        block_sizes: per tensor, the elements a rank boundary must not cut (None: 1 each).
+        param_dtype: dtype of the unsharded parameters (the all-gather); default: the tensors'.
+        reduce_dtype: dtype of the gradient buffer and the reduce-scatter; default: param dtype.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        mesh: DeviceMesh,
+        *,
+        shard_dim: int = -1,
+        block_sizes: Sequence[int] | None = None,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+    ):
+        if not tensors:
+            raise ValueError("DBuffer needs at least one tensor")
+        dtypes = {t.dtype for _, t in tensors}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"DBuffer tensors must share one dtype, got {sorted(map(str, dtypes))}"
+            )
+        self.mesh = mesh
+        self.shard_dim = shard_dim % mesh.ndim
+        self.group = mesh.get_group(self.shard_dim)
+        self.world = mesh.size(self.shard_dim)
+        self.rank = mesh.get_coordinate()[self.shard_dim]
+        self.dtype = dtypes.pop()
+        self.param_dtype = param_dtype or self.dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.device = (
+            torch.device(mesh.device_type)
+            if mesh.device_type != "cuda"
+            else torch.device("cuda", torch.cuda.current_device())
+        )
+        numels = [t.numel() for _, t in tensors]
+        blocks = list(block_sizes) if block_sizes is not None else [1] * len(tensors)
+        itemsize = min(
+            torch.empty((), dtype=d).element_size()
+            for d in (self.dtype, self.param_dtype, self.reduce_dtype)
+        )
+        self.layout = plan(numels, blocks, self.world, align=ALIGN_BYTES // itemsize)
+        S = self.shard_size = self.layout.shard_size
+        lo, hi = self.rank * S, (self.rank + 1) * S
+        self.entries: list[_Entry] = []
+        for (name, t), (start, end) in zip(tensors, self.layout.ranges):
+            counts = [max(0, min(end, (r + 1) * S) - max(start, r * S)) for r in range(self.world)]
+            local = (max(start, lo) - lo, max(min(end, hi), max(start, lo)) - lo)
+            self.entries.append(
+                _Entry(name, t.shape, start, end, local, ragged_placement(t.shape, counts))
+            )
+
+        self.shard = aligned_empty(S, self.dtype, self.device)
+        self.shard.zero_()
+        with torch.no_grad():
+            for e, (_, t) in zip(self.entries, tensors):
+                b, n = e.local[0], e.local[1] - e.local[0]
+                if n:
+                    self.shard[b : b + n].copy_(
+                        t.detach().reshape(-1)[lo + b - e.start : lo + b - e.start + n]
+                    )
+        self.params = [self._sharded(e, self.shard, requires_grad=True) for e in self.entries]
+
+        self._unsharded = torch.empty(self.world * S, dtype=self.param_dtype, device=self.device)
+        self.unsharded_params = [
+            self._unsharded[e.start : e.end].view(e.shape) for e in self.entries
+        ]
+        self._free(self._unsharded)
+        self._grads = torch.empty(self.world * S, dtype=self.reduce_dtype, device=self.device)
+        self.unsharded_grads = [self._grads[e.start : e.end].view(e.shape) for e in self.entries]
+        self._free(self._grads)
+        self._shard_grad: torch.Tensor | None = None
+        self._gather_work = None
+
+    # --- views -------------------------------------------------------------------------------
+
+    def placements(self, e: _Entry) -> tuple[Placement, ...]:
+        return tuple(
+            e.placement if d == self.shard_dim else Replicate() for d in range(self.mesh.ndim)
+        )
+
+    def _sharded(self, e: _Entry, buf: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+        local = buf[e.local[0] : e.local[1]]
+        spec = make_spec(self.mesh, self.placements(e), e.shape, buf.dtype)
+        dt = RaggedDTensor(local, spec, requires_grad=False)
+        return torch.nn.Parameter(dt, requires_grad=True) if requires_grad else dt
+
+    @staticmethod
+    def _free(buf: torch.Tensor) -> None:
+        buf.untyped_storage().resize_(0)
+
+    @staticmethod
+    def _alloc(buf: torch.Tensor) -> None:
+        storage = buf.untyped_storage()
+        need = buf.numel() * buf.element_size()
+        if storage.size() != need:
+            storage.resize_(need)
+
+    # --- parameters --------------------------------------------------------------------------
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self._unsharded.untyped_storage().size() > 0
+
+    def unshard(self, async_op: bool = False):
+        """All-gather the shards into the unsharded buffer (allocated if freed).
+
+        Returns the collective's work handle when `async_op`, else None; `wait_unshard()` waits.
+        """
+        self._alloc(self._unsharded)
+        S = self.shard_size
+        if self.param_dtype == self.dtype:
+            source = self.shard
+        else:  # cast this rank's shard into its own slot, then gather in place
+            source = self._unsharded[self.rank * S : (self.rank + 1) * S]
+            ops.cast_scale_(source, self.shard, 1.0)
+        work = dist.all_gather_into_tensor(
+            self._unsharded, source, group=self.group, async_op=async_op
+        )
+        self._gather_work = work if async_op else None
+        return work
+
+    def wait_unshard(self) -> None:
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+
+    def reshard(self) -> None:
+        """Free the unsharded buffer's storage (its views stay, without memory, until unshard)."""
+        self.wait_unshard()
+        self._free(self._unsharded)
+
+    # --- gradients ---------------------------------------------------------------------------
+
+    def _bound(self, p: torch.Tensor) -> bool:
+        """Whether `p.grad` is this buffer's view (not None, not replaced by the user)."""
+        g = p.grad
+        return (
+            g is not None
+            and self._shard_grad is not None
+            and g._local_tensor.untyped_storage().data_ptr()
+            == self._shard_grad.untyped_storage().data_ptr()
+        )
+
+    def zero_unsharded_grads(self) -> list[torch.Tensor]:
+        """Allocate and zero the gradient buffer (one launch); returns the per-tensor views."""
+        self._alloc(self._grads)
+        ops.zero_ranges_(self._grads, [(0, self._grads.numel())])
+        return self.unsharded_grads
+
+    def reduce_grads(
+        self, *, accumulate: bool = False, average: bool = True, async_op: bool = False
+    ):
+        """Reduce-scatter the gradient buffer into the sharded gradients.
+
+        SUM on the wire (gloo's AVG is unreliable, pytorch #162338), then one fused kernel
+        scales by 1/world (if `average`) and casts into the master-dtype shard gradient, adding to
+        it when `accumulate`. HSDP: the result is then all-reduced over the other mesh dims.
+        """
+        S = self.shard_size
+        reduced = torch.empty(S, dtype=self.reduce_dtype, device=self.device)
+        dist.reduce_scatter_tensor(reduced, self._grads, op=dist.ReduceOp.SUM, group=self.group)
+        replicas = 1
+        for d in range(self.mesh.ndim):
+            if d != self.shard_dim:
+                dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.mesh.get_group(d))
+                replicas *= self.mesh.size(d)
+        scale = 1.0 / (self.world * replicas) if average else 1.0
+        if self._shard_grad is None:
+            self._shard_grad = aligned_empty(S, self.dtype, self.device)
+        unbound = [e for p, e in zip(self.params, self.entries) if not self._bound(p)]
+        if accumulate:  # tensors whose .grad was dropped (set to None) start again from zero
+            ops.zero_ranges_(self._shard_grad, [e.local for e in unbound])
+            ops.accumulate_(self._shard_grad, reduced, scale)
+        else:
+            ops.cast_scale_(self._shard_grad, reduced, scale)
+        for p, e in zip(self.params, self.entries):
+            if e in unbound:
+                p.grad = self._sharded(e, self._shard_grad, requires_grad=False)
+        self._free(self._grads)
