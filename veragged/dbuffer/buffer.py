@@ -13,7 +13,7 @@ boundary, S a multiple of `256 / itemsize` so every rank's slot starts 256-byte 
   kernel), so nothing is copied in before or out after the collective. `reshard()` frees its
   storage and `unshard()` reallocates the same storage object, so the views (and tensors autograd
   saved from them) stay valid;
-- the *gradient* buffer (P * S elements) is where backward writes: the unsharded parameters'
+- the *gradient* buffer (P * S elements, the compute dtype) is where backward writes: the unsharded parameters'
   `.grad` are views into it, zeroed by one launch, so the autograd engine accumulates into place,
   and `reduce_scatter_tensor` reads it as is; the result is scaled (and cast) into the sharded
   gradients, views into one S-element buffer, by one fused kernel.
@@ -82,7 +82,8 @@ class DBuffer:
             (HSDP: gradients are all-reduced over it after the reduce-scatter).
         block_sizes: per tensor, the elements a rank boundary must not cut (None: 1 each).
         param_dtype: dtype of the unsharded parameters (the all-gather); default: the tensors'.
-        reduce_dtype: dtype of the gradient buffer and the reduce-scatter; default: param dtype.
+        reduce_dtype: dtype of the reduce-scatter (gradients are cast to it first if it differs
+            from `param_dtype`); default: param dtype.
     """
 
     def __init__(
@@ -148,7 +149,8 @@ class DBuffer:
             self._unsharded[e.start : e.end].view(e.shape) for e in self.entries
         ]
         self._free(self._unsharded)
-        self._grads = torch.empty(self.world * S, dtype=self.reduce_dtype, device=self.device)
+        # Gradients of the unsharded parameters have their dtype (the engine accumulates in place).
+        self._grads = torch.empty(self.world * S, dtype=self.param_dtype, device=self.device)
         self.unsharded_grads = [self._grads[e.start : e.end].view(e.shape) for e in self.entries]
         self._free(self._grads)
         self._shard_grad: torch.Tensor | None = None
@@ -230,9 +232,7 @@ class DBuffer:
         ops.zero_ranges_(self._grads, [(0, self._grads.numel())])
         return self.unsharded_grads
 
-    def reduce_grads(
-        self, *, accumulate: bool = False, average: bool = True, async_op: bool = False
-    ):
+    def reduce_grads(self, *, accumulate: bool = False, average: bool = True):
         """Reduce-scatter the gradient buffer into the sharded gradients.
 
         SUM on the wire (gloo's AVG is unreliable, pytorch #162338), then one fused kernel
@@ -240,8 +240,12 @@ class DBuffer:
         it when `accumulate`. HSDP: the result is then all-reduced over the other mesh dims.
         """
         S = self.shard_size
+        source = self._grads
+        if self.reduce_dtype != self.param_dtype:  # e.g. bf16 gradients reduced in fp32
+            source = torch.empty(self.world * S, dtype=self.reduce_dtype, device=self.device)
+            ops.cast_scale_(source, self._grads, 1.0)
         reduced = torch.empty(S, dtype=self.reduce_dtype, device=self.device)
-        dist.reduce_scatter_tensor(reduced, self._grads, op=dist.ReduceOp.SUM, group=self.group)
+        dist.reduce_scatter_tensor(reduced, source, op=dist.ReduceOp.SUM, group=self.group)
         replicas = 1
         for d in range(self.mesh.ndim):
             if d != self.shard_dim:
