@@ -6,6 +6,7 @@ from veragged import (
     _C,  # noqa: F401  (registers torch.ops.veragged.*)
     dbuffer,  # noqa: F401  (fake kernels of the group ops)
 )
+from veragged.fsdp import FSDPModule, fully_shard
 from veragged.placement import (
     RaggedDTensor,
     RaggedShard,
@@ -23,6 +24,8 @@ DTensor = RaggedDTensor
 
 __all__ = [
     "DTensor",
+    "FSDPModule",
+    "fully_shard",
     "Layout",
     "RaggedDTensor",
     "RaggedShard",

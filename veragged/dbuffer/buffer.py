@@ -128,7 +128,8 @@ class DBuffer:
         self.entries: list[_Entry] = []
         for (name, t), (start, end) in zip(tensors, self.layout.ranges):
             counts = [max(0, min(end, (r + 1) * S) - max(start, r * S)) for r in range(self.world)]
-            local = (max(start, lo) - lo, max(min(end, hi), max(start, lo)) - lo)
+            b, e = min(max(start, lo), hi), min(max(end, lo), hi)  # this rank's part, maybe empty
+            local = (b - lo, e - lo)
             self.entries.append(
                 _Entry(name, t.shape, start, end, local, ragged_placement(t.shape, counts))
             )
@@ -193,14 +194,17 @@ class DBuffer:
         """
         self._alloc(self._unsharded)
         S = self.shard_size
-        if self.param_dtype == self.dtype:
-            source = self.shard
-        else:  # cast this rank's shard into its own slot, then gather in place
-            source = self._unsharded[self.rank * S : (self.rank + 1) * S]
-            ops.cast_scale_(source, self.shard, 1.0)
-        work = dist.all_gather_into_tensor(
-            self._unsharded, source, group=self.group, async_op=async_op
-        )
+        # Refilling the buffer is not a change autograd must see: tensors saved from the
+        # unsharded views in forward are read in backward after this all-gather restored them.
+        with torch.autograd._unsafe_preserve_version_counter(self._unsharded):
+            if self.param_dtype == self.dtype:
+                source = self.shard
+            else:  # cast this rank's shard into its own slot, then gather in place
+                source = self._unsharded[self.rank * S : (self.rank + 1) * S]
+                ops.cast_scale_(source, self.shard, 1.0)
+            work = dist.all_gather_into_tensor(
+                self._unsharded, source, group=self.group, async_op=async_op
+            )
         self._gather_work = work if async_op else None
         return work
 

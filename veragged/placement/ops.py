@@ -70,7 +70,7 @@ _FACTORIES = frozenset(
 }
 _FUSED_OPTIMIZER_PREFIXES = ("_fused_adam", "_fused_sgd", "_fused_adagrad")
 _FOREACH_REDUCTIONS = frozenset({"_foreach_norm", "_foreach_max"})
-# Ops whose outputs carry no gradient, so they may run while inputs require grad.
+# Aten ops whose outputs carry no gradient, so they may run while inputs require grad.
 _NON_DIFFERENTIABLE = _FACTORIES - {aten.copy_.default, aten._to_copy.default, aten.alias.default}
 
 
@@ -100,14 +100,23 @@ def _unsupported(func, placements) -> NotImplementedError:
 class _Allowlist(TorchDispatchMode):
     """Let through only the aten ops that are correct on local shards; see the Note above."""
 
-    def __init__(self, placements):
+    def __init__(self, placements, needs_grad: bool):
         super().__init__()
         self.placements = placements
+        self.needs_grad = needs_grad  # grad mode is on and a DTensor operand requires grad
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not _allowed(func):
             raise _unsupported(func, self.placements)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if self.needs_grad and func not in _NON_DIFFERENTIABLE:
+            flat, _ = tree_flatten(out)
+            if any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in flat):
+                raise NotImplementedError(
+                    f"{func}: autograd does not flow through ops on RaggedShard DTensors; run it "
+                    "under torch.no_grad() or redistribute to Replicate/Shard first"
+                )
+        return out
 
 
 def _is_ragged_dt(x) -> bool:
@@ -218,15 +227,11 @@ def _wrap(out, refs, locals_to_dt):
     return one(out, -1)
 
 
-def _check_autograd(func, args, kwargs) -> None:
-    if not torch.is_grad_enabled() or func in _NON_DIFFERENTIABLE:
-        return
+def _needs_grad(args, kwargs) -> bool:
+    if not torch.is_grad_enabled():
+        return False
     flat, _ = tree_flatten((args, kwargs))
-    if any(_is_ragged_dt(x) and x.requires_grad for x in flat):
-        raise NotImplementedError(
-            f"{func}: autograd does not flow through ops on RaggedShard DTensors; run it under "
-            "torch.no_grad() or redistribute to Replicate/Shard first"
-        )
+    return any(_is_ragged_dt(x) and x.requires_grad for x in flat)
 
 
 def _name(func) -> str:
@@ -340,10 +345,10 @@ def handle_torch_function(func, args, kwargs):
     special = _SPECIAL.get(func)
     if special is not None:
         return special(*args, **kwargs)
-    _check_autograd(func, args, kwargs)
+    needs_grad = _needs_grad(args, kwargs)
     uargs, ukwargs, refs, locals_to_dt = _unwrap(_name(func), args, kwargs)
     placements = next(iter(refs.values())).placements if refs else ()
-    with torch._C.DisableTorchFunctionSubclass(), _Allowlist(placements):
+    with torch._C.DisableTorchFunctionSubclass(), _Allowlist(placements, needs_grad):
         out = func(*uargs, **ukwargs)
     return _wrap(out, refs, locals_to_dt)
 

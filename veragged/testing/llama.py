@@ -1,0 +1,92 @@
+"""A small Llama-style decoder (RMSNorm, RoPE, SwiGLU, fused QKV) for tests, benchmarks, examples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["Llama", "LlamaConfig"]
+
+
+@dataclass
+class LlamaConfig:
+    vocab: int = 96
+    dim: int = 64
+    layers: int = 2
+    heads: int = 4
+    hidden: int = 172  # SwiGLU width: not a multiple of the world size on purpose
+    max_seq: int = 64
+    tie_embeddings: bool = False
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding on [batch, heads, seq, head_dim] (pairs of halves)."""
+    half = x.shape[-1] // 2
+    freqs = 10000.0 ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
+    angles = positions[:, None].float() * freqs[None, :]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.attn_norm = RMSNorm(cfg.dim)
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)  # fused QKV
+        self.out = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.mlp_norm = RMSNorm(cfg.dim)
+        self.gate_up = nn.Linear(cfg.dim, 2 * cfg.hidden, bias=False)  # fused SwiGLU gate and up
+        self.down = nn.Linear(cfg.hidden, cfg.dim, bias=True)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (
+            self.qkv(self.attn_norm(x))
+            .view(b, s, 3, self.heads, d // self.heads)
+            .permute(2, 0, 3, 1, 4)
+        )
+        pos = torch.arange(s, device=x.device)
+        q, k = rope(q, pos), rope(k, pos)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(att.transpose(1, 2).reshape(b, s, d))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self(tokens[:, :-1])
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
+        )
