@@ -13,8 +13,9 @@ boundary, S a multiple of `256 / itemsize` so every rank's slot starts 256-byte 
   kernel), so nothing is copied in before or out after the collective. `reshard()` frees its
   storage and `unshard()` reallocates the same storage object, so the views (and tensors autograd
   saved from them) stay valid;
-- the *gradient* buffer (P * S elements, the compute dtype) is where backward writes: the unsharded parameters'
-  `.grad` are views into it, zeroed by one launch, so the autograd engine accumulates into place,
+- the *gradient* buffer (P * S elements, the compute dtype) is where backward writes: the
+  unsharded parameters' `.grad` are views into it, zeroed by one launch, so the autograd engine
+  accumulates into place,
   and `reduce_scatter_tensor` reads it as is; the result is scaled (and cast) into the sharded
   gradients, views into one S-element buffer, by one fused kernel.
 """

@@ -1,4 +1,4 @@
-"""A small Llama-style decoder (RMSNorm, RoPE, SwiGLU, fused QKV) for tests, benchmarks, examples."""
+"""A small Llama-style decoder (RMSNorm, RoPE, SwiGLU, fused QKV) for tests and examples."""
 
 from __future__ import annotations
 
