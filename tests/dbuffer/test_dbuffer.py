@@ -2,11 +2,11 @@
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from veragged.dbuffer.buffer import ALIGN_BYTES, DBuffer
 from veragged.placement.dtensor import RaggedDTensor
 from veragged.testing import get_mesh, run_on_ranks
+from veragged.testing.copies import CopyCounter
 
 # Element-wise, 16-row blocks, whole-tensor, uneven rows (18 over 4 ranks), a 3-element bias.
 SHAPES = [
@@ -16,49 +16,6 @@ SHAPES = [
     ("uneven", (18, 5), 5),
     ("bias", (3,), 1),
 ]
-
-_COPY_OPS = {
-    "copy_",
-    "_to_copy",
-    "cat",
-    "clone",
-    "split_with_sizes_copy",
-    "chunk_cat",
-    "all_gather_copy_in",
-}
-
-
-class CopyCounter(TorchDispatchMode):
-    """Bytes written by copy-like ops outside collectives, and by veragged's fused cast kernel.
-
-    Gloo emulates reduce-scatter with an all-reduce plus a copy of this rank's chunk into the
-    output; copies into a buffer that a collective received are its own and not counted here.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.copied = 0
-        self.cast = 0
-        self._collective_buffers: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        namespace, name = func._schema.name.split("::")
-        if namespace == "c10d":
-            for a in args:
-                for t in a if isinstance(a, (list, tuple)) else [a]:
-                    if isinstance(t, torch.Tensor):
-                        self._collective_buffers.add(t.untyped_storage().data_ptr())
-        elif name in _COPY_OPS:
-            dst = args[0] if name == "copy_" else None
-            if dst is None or dst.untyped_storage().data_ptr() not in self._collective_buffers:
-                outs = out if isinstance(out, (list, tuple)) else [out]
-                self.copied += sum(
-                    t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor)
-                )
-        elif name == "cast_scale_":
-            self.cast += args[0].numel() * args[0].element_size()
-        return out
 
 
 def _tensors():

@@ -109,3 +109,30 @@ def test_variants_match_one_process(options):
     )
     ours = run_on_ranks(_train, 4, args=("veragged", 4), kwargs=options, timeout=240)[0]
     _compare(ours, single, atol=1e-4)
+
+
+def _copies_per_step(kind):
+    """Bytes copied outside collectives by one training step, minus those of the model itself."""
+    from veragged.testing.copies import CopyCounter
+
+    mesh, rank = get_mesh(), dist.get_rank()
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    tokens = _batches(1, dist.get_world_size())[0, 0][rank * MICRO : (rank + 1) * MICRO]
+    with CopyCounter() as plain:  # the model's own copies (RoPE's cat, reshapes, casts)
+        model.loss(tokens).backward()
+    shard = veragged.fully_shard if kind == "veragged" else torch_fully_shard
+    for block in model.blocks:
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
+    model.loss(tokens).backward()  # warm-up: lazy init and first allocations
+    with CopyCounter() as step:
+        model.loss(tokens).backward()
+    return step.copied - plain.copied, step.cast
+
+
+def test_training_step_copies_nothing_outside_collectives():
+    ours = run_on_ranks(_copies_per_step, 4, args=("veragged",), timeout=120)
+    theirs = run_on_ranks(_copies_per_step, 4, args=("torch",), timeout=120)
+    assert all(copied == 0 and cast == 0 for copied, cast in ours), ours
+    assert all(copied > 0 for copied, _ in theirs), theirs  # FSDP2: copy-in, copy-out, chunk_cat
