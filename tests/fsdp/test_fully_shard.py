@@ -136,3 +136,16 @@ def test_training_step_copies_nothing_outside_collectives():
     theirs = run_on_ranks(_copies_per_step, 4, args=("torch",), timeout=120)
     assert all(copied == 0 and cast == 0 for copied, cast in ours), ours
     assert all(copied > 0 for copied, _ in theirs), theirs  # FSDP2: copy-in, copy-out, chunk_cat
+
+
+def test_hsdp_on_2x2_mesh_matches_one_process():
+    single = _train("single", 4, world=4)
+    ours = run_on_ranks(
+        _train,
+        4,
+        args=("veragged", 4),
+        mesh_shape=(2, 2),
+        mesh_dim_names=("replicate", "shard"),
+        timeout=240,
+    )[0]
+    _compare(ours, single, atol=1e-4)
