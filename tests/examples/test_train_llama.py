@@ -1,0 +1,47 @@
+"""The README's main job: examples/train_llama.py under torchrun trains, saves and resumes."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _run(ckpt, steps, *extra):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "examples" / "train_llama.py"),
+    ]
+    cmd += [
+        "--steps",
+        str(steps),
+        "--dim",
+        "32",
+        "--layers",
+        "2",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--log-every",
+        "1",
+    ]
+    cmd += ["--ckpt", str(ckpt), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_trains_saves_and_resumes(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = _run(ckpt, 3)
+    assert "step     3  loss" in first and "tokens/s" in first and "MiB" in first
+    assert (ckpt / ".metadata").exists()
+    second = _run(ckpt, 5, "--bf16")
+    assert "resumed from" in second and "at step 3" in second and "step     5  loss" in second
