@@ -188,8 +188,14 @@ def _unwrap(name: str, args, kwargs):
         return x
 
     def arg(x):
-        if isinstance(x, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in x):
-            return type(x)(leaf(e, i) for i, e in enumerate(x))
+        if isinstance(x, torch.Tensor):
+            return leaf(x, -1)
+        if isinstance(x, (list, tuple)):
+            if any(isinstance(e, torch.Tensor) for e in x):
+                return type(x)(leaf(e, i) for i, e in enumerate(x))
+            return x
+        if x is None or isinstance(x, (bool, int, float, complex, str, torch.dtype, torch.device)):
+            return x
         return tree_map(lambda e: leaf(e, -1), x)
 
     uargs = tuple(arg(a) for a in args)
@@ -347,10 +353,40 @@ def handle_torch_function(func, args, kwargs):
         return special(*args, **kwargs)
     needs_grad = _needs_grad(args, kwargs)
     uargs, ukwargs, refs, locals_to_dt = _unwrap(_name(func), args, kwargs)
-    placements = next(iter(refs.values())).placements if refs else ()
-    with torch._C.DisableTorchFunctionSubclass(), _Allowlist(placements, needs_grad):
-        out = func(*uargs, **ukwargs)
+    if not needs_grad and _elementwise(func):  # fast path: every overload is allowed
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*uargs, **ukwargs)
+    else:
+        placements = next(iter(refs.values())).placements if refs else ()
+        with torch._C.DisableTorchFunctionSubclass(), _Allowlist(placements, needs_grad):
+            out = func(*uargs, **ukwargs)
     return _wrap(out, refs, locals_to_dt)
+
+
+_ELEMENTWISE: dict = {}
+
+
+def _takes_tensors(t) -> bool:
+    """Whether a schema argument type holds tensors (TorchScript-only overloads, such as
+    `mul_.t` on lists, have none and never run on tensors)."""
+    return "Tensor" in str(t)
+
+
+def _elementwise(func) -> bool:
+    """Whether every aten overload that `func` (by name, e.g. `Tensor.mul_`) can run is allowed.
+
+    Such a call can skip the `_Allowlist` mode, which costs more than the op on small shards.
+    Names without an aten packet of the same name (dunders, composites) take the checked path.
+    """
+    known = _ELEMENTWISE.get(func)
+    if known is None:
+        packet = getattr(aten, getattr(func, "__name__", ""), None)
+        ops = packet.overloads() if isinstance(packet, torch._ops.OpOverloadPacket) else []
+        ops = [getattr(packet, o) for o in ops]
+        ops = [op for op in ops if any(_takes_tensors(a.type) for a in op._schema.arguments)]
+        known = bool(ops) and all(_allowed(op) for op in ops)
+        _ELEMENTWISE[func] = known
+    return known
 
 
 def handle_torch_dispatch(func, args, kwargs):
