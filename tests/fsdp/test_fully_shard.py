@@ -91,9 +91,9 @@ def _compare(res, ref, atol):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_matches_torch_fully_shard_and_one_process(world):
-    single = _train("single", 6, world=world)
-    ours = run_on_ranks(_train, world, args=("veragged", 6), timeout=240)[0]
-    theirs = run_on_ranks(_train, world, args=("torch", 6), timeout=240)[0]
+    single = _train("single", 20, world=world)
+    ours = run_on_ranks(_train, world, args=("veragged", 20), timeout=240)[0]
+    theirs = run_on_ranks(_train, world, args=("torch", 20), timeout=240)[0]
     _compare(ours, theirs, atol=1e-6)
     _compare(ours, single, atol=1e-4)
 
@@ -149,3 +149,44 @@ def test_hsdp_on_2x2_mesh_matches_one_process():
         timeout=240,
     )[0]
     _compare(ours, single, atol=1e-4)
+
+
+class _Uneven(torch.nn.Module):
+    """18 rows over 4 ranks and a 3-element bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(5, 18, bias=False)
+        self.b = torch.nn.Linear(18, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _train_uneven(distributed):
+    torch.manual_seed(0)
+    model = _Uneven()
+    world = 4
+    rank = dist.get_rank() if distributed else 0
+    if distributed:
+        veragged.fully_shard(model.a, mesh=get_mesh(), granularity_fn=lambda fqn, p: p.shape[1])
+        veragged.fully_shard(model, mesh=get_mesh())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        x = torch.randn(world * 2, 5, generator=g)
+        mine = x[rank * 2 : rank * 2 + 2] if distributed else x
+        model(mine).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+        for k, v in model.state_dict().items()
+    }
+
+
+def test_uneven_and_tiny_parameters_match_one_process():
+    single = _train_uneven(False)
+    ours = run_on_ranks(_train_uneven, 4, args=(True,), timeout=120)[0]
+    for k, v in single.items():
+        assert torch.allclose(ours[k], v, rtol=1e-5, atol=1e-6), k
