@@ -1,4 +1,4 @@
-"""State dicts of a fully_shard model and its AdamW: get/set_state_dict + DCP, 4 ranks -> 2 ranks."""
+"""State dicts of a fully_shard model and its AdamW (get/set_state_dict, DCP): 4 -> 2 ranks."""
 
 import torch
 import torch.distributed as dist
