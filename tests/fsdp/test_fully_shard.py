@@ -190,3 +190,31 @@ def test_uneven_and_tiny_parameters_match_one_process():
     ours = run_on_ranks(_train_uneven, 4, args=(True,), timeout=120)[0]
     for k, v in single.items():
         assert torch.allclose(ours[k], v, rtol=1e-5, atol=1e-6), k
+
+
+def _container_root_and_api():
+    mesh = get_mesh()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 18), torch.nn.Tanh(), torch.nn.Linear(18, 3))
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    veragged.fully_shard(model[0], mesh=mesh)
+    veragged.fully_shard(model[2], mesh=mesh)
+    veragged.fully_shard(model, mesh=mesh)  # no parameters of its own: the root of the two
+    res = {"sharded": isinstance(model[0].weight, DTensor)}
+    handle = model[0].unshard(async_op=True)
+    handle.wait()
+    w = model[0].weight
+    res["unsharded"] = not isinstance(w, DTensor) and torch.equal(w.detach(), full["0.weight"])
+    model[0].reshard()
+    res["resharded"] = isinstance(model[0].weight, DTensor)
+    model[0].set_modules_to_forward_prefetch([model[2]])
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).sum().backward()
+    res["grads"] = all(isinstance(p.grad, DTensor) for p in model.parameters())
+    res["root_unshard_noop"] = model.unshard() is None
+    return res
+
+
+def test_container_root_and_module_api():
+    for res in run_on_ranks(_container_root_and_api, 4, timeout=120):
+        assert all(res.values()), res

@@ -31,11 +31,13 @@ class UnshardHandle:
 class FSDPModule:
     """Mixed into every module `fully_shard` was applied to (as FSDP2 does)."""
 
-    _veragged_group: ParamGroup
+    _veragged_group: ParamGroup | None  # None: every parameter belongs to an inner fully_shard
     _veragged_root: RootState
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         group = self._veragged_group
+        if group is None:
+            return UnshardHandle(None) if async_op else None
         group.unshard(async_op=async_op)
         handle = UnshardHandle(group)
         if async_op:
@@ -44,12 +46,13 @@ class FSDPModule:
         return None
 
     def reshard(self) -> None:
-        self._veragged_group.reshard()
+        if self._veragged_group is not None:
+            self._veragged_group.reshard()
 
     def _groups(self, recurse: bool) -> list[ParamGroup]:
-        if not recurse:
-            return [self._veragged_group]
-        return [m._veragged_group for m in self.modules() if isinstance(m, FSDPModule)]
+        modules = self.modules() if recurse else [self]
+        groups = [m._veragged_group for m in modules if isinstance(m, FSDPModule)]
+        return [g for g in groups if g is not None]
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
@@ -83,6 +86,8 @@ def _group_of(module) -> ParamGroup:
         raise ValueError(
             f"expected a module that fully_shard was applied to, got {type(module).__name__}"
         )
+    if module._veragged_group is None:
+        raise ValueError(f"{type(module).__name__} has no parameters of its own to prefetch")
     return module._veragged_group
 
 
@@ -147,7 +152,8 @@ def fully_shard(
     ignored = {id(p) for p in ignored_params or ()}
     params = _collect(module, ignored)
     children = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
-    groups = [c._veragged_group for c in children]
+    groups = [c._veragged_group for c in children if c._veragged_group is not None]
+    group = None
     if params:
         blocks = []
         for fqn, p, _ in params:
@@ -178,12 +184,8 @@ def fully_shard(
         )
         group.reshard()
         groups.append(group)
-    else:
-        raise ValueError(
-            f"fully_shard({type(module).__name__}): the module has no parameters left to shard"
-        )
-    module.register_forward_pre_hook(group.pre_forward, with_kwargs=True)
-    module.register_forward_hook(group.post_forward)
+        module.register_forward_pre_hook(group.pre_forward, with_kwargs=True)
+        module.register_forward_hook(group.post_forward)
     root = RootState(groups)
     for m in [module, *children]:
         m._veragged_root = root
