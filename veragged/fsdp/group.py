@@ -66,7 +66,6 @@ class ParamGroup:
         self._pending = 0  # unsharded parameters still to receive their gradient this backward
         self._in_backward = False
         self._grads_ready = False  # the gradient buffer holds (accumulated) gradients
-        self._prefetched = False
         for p in self.unsharded:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._post_accumulate)
@@ -80,14 +79,11 @@ class ParamGroup:
 
     def unshard(self, async_op: bool = False):
         if not self.buffer.is_unsharded:
-            work = self.buffer.unshard(async_op=async_op)
-            self._prefetched = async_op
-            return work
+            return self.buffer.unshard(async_op=async_op)
         return None
 
     def wait_for_unshard(self) -> None:
         self.buffer.wait_unshard()
-        self._prefetched = False
         self._register(self.unsharded)
 
     def reshard(self) -> None:
