@@ -212,6 +212,11 @@ def _container_root_and_api():
     model(x).sum().backward()
     res["grads"] = all(isinstance(p.grad, DTensor) for p in model.parameters())
     res["root_unshard_noop"] = model.unshard() is None
+    try:
+        model[2].set_modules_to_backward_prefetch([model[0]])
+        res["backward_prefetch_raises"] = False
+    except NotImplementedError as e:
+        res["backward_prefetch_raises"] = "backward prefetch" in str(e)
     return res
 
 

@@ -177,7 +177,6 @@ class RootState:
         self._recording = True
         self._callback_queued = False
         self.forward_prefetch: dict[ParamGroup, list[ParamGroup]] = {}
-        self.backward_prefetch: dict[ParamGroup, list[ParamGroup]] = {}
 
     def pre_forward(self, group: ParamGroup) -> None:
         if self._recording and group not in self.forward_order:
@@ -199,8 +198,7 @@ class RootState:
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finish_backward)
-        for nxt in self.backward_prefetch.get(group, ()):
-            nxt.unshard(async_op=True)
+
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
