@@ -259,13 +259,12 @@ class DBuffer:
         scale = 1.0 / (self.world * replicas) if average else 1.0
         if self._shard_grad is None:
             self._shard_grad = aligned_empty(S, self.dtype, self.device)
-        unbound = [e for p, e in zip(self.params, self.entries) if not self._bound(p)]
+        unbound = [(p, e) for p, e in zip(self.params, self.entries) if not self._bound(p)]
         if accumulate:  # tensors whose .grad was dropped (set to None) start again from zero
-            ops.zero_ranges_(self._shard_grad, [e.local for e in unbound])
+            ops.zero_ranges_(self._shard_grad, [e.local for _, e in unbound])
             ops.accumulate_(self._shard_grad, reduced, scale)
         else:
             ops.cast_scale_(self._shard_grad, reduced, scale)
-        for p, e in zip(self.params, self.entries):
-            if e in unbound:
-                p.grad = self._sharded(e, self._shard_grad, requires_grad=False)
+        for p, e in unbound:
+            p.grad = self._sharded(e, self._shard_grad, requires_grad=False)
         self._free(self._grads)

@@ -233,13 +233,6 @@ def _wrap(out, refs, locals_to_dt):
     return one(out, -1)
 
 
-def _needs_grad(args, kwargs) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    flat, _ = tree_flatten((args, kwargs))
-    return any(_is_ragged_dt(x) and x.requires_grad for x in flat)
-
-
 def _name(func) -> str:
     return getattr(func, "__name__", None) or str(func)
 
@@ -351,8 +344,8 @@ def handle_torch_function(func, args, kwargs):
     special = _SPECIAL.get(func)
     if special is not None:
         return special(*args, **kwargs)
-    needs_grad = _needs_grad(args, kwargs)
     uargs, ukwargs, refs, locals_to_dt = _unwrap(_name(func), args, kwargs)
+    needs_grad = torch.is_grad_enabled() and any(dt.requires_grad for dt in locals_to_dt.values())
     if not needs_grad and _elementwise(func):  # fast path: every overload is allowed
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*uargs, **ukwargs)

@@ -77,28 +77,28 @@ void dispatch_pair(at::Tensor& dst, const at::Tensor& src, Launch launch) {
   });
 }
 
-void cast_scale_op(at::Tensor dst, const at::Tensor& src, double alpha) {
-  check_pair(dst, src, "cast_scale_");
+// Checks, device guard, stream, dtype dispatch and launch check shared by the two-tensor ops.
+template <typename Launch>
+void pair_op(const char* op, at::Tensor& dst, const at::Tensor& src, Launch launch) {
+  check_pair(dst, src, op);
   const int64_t n = dst.numel();
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(dst.device());
-  auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_pair(dst, src, [&](auto* d, const auto* s) {
-    cast_scale_kernel<<<blocks_for(n), kThreads, 0, stream>>>(d, s, n, alpha);
-  });
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  dispatch_pair(dst, src, [&](auto* d, const auto* s) { launch(d, s, n, stream); });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void accumulate_op(at::Tensor dst, const at::Tensor& src, double alpha) {
-  check_pair(dst, src, "accumulate_");
-  const int64_t n = dst.numel();
-  if (n == 0) return;
-  const c10::cuda::CUDAGuard guard(dst.device());
-  auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_pair(dst, src, [&](auto* d, const auto* s) {
-    accumulate_kernel<<<blocks_for(n), kThreads, 0, stream>>>(d, s, n, alpha);
+void cast_scale_op(at::Tensor dst, const at::Tensor& src, double alpha) {
+  pair_op("cast_scale_", dst, src, [alpha](auto* d, const auto* s, int64_t n, cudaStream_t st) {
+    cast_scale_kernel<<<blocks_for(n), kThreads, 0, st>>>(d, s, n, alpha);
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void accumulate_op(at::Tensor dst, const at::Tensor& src, double alpha) {
+  pair_op("accumulate_", dst, src, [alpha](auto* d, const auto* s, int64_t n, cudaStream_t st) {
+    accumulate_kernel<<<blocks_for(n), kThreads, 0, st>>>(d, s, n, alpha);
+  });
 }
 
 void scale_op(at::Tensor dst, double alpha) {
