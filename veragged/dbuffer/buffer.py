@@ -157,6 +157,7 @@ class DBuffer:
         self._free(self._grads)
         self._shard_grad: torch.Tensor | None = None
         self._gather_work = None
+        self._reduce = None  # a launched reduce-scatter: (work, source, output, accumulate, avg)
 
     # --- views -------------------------------------------------------------------------------
 
@@ -191,28 +192,34 @@ class DBuffer:
     def unshard(self, async_op: bool = False):
         """All-gather the shards into the unsharded buffer (allocated if freed).
 
-        Returns the collective's work handle when `async_op`, else None; `wait_unshard()` waits.
+        Returns the collective's work handle (None once waited for); `wait_unshard()` waits.
         """
         self._alloc(self._unsharded)
         S = self.shard_size
         # Refilling the buffer is not a change autograd must see: tensors saved from the
         # unsharded views in forward are read in backward after this all-gather restored them.
-        with torch.autograd._unsafe_preserve_version_counter(self._unsharded):
-            if self.param_dtype == self.dtype:
-                source = self.shard
-            else:  # cast this rank's shard into its own slot, then gather in place
-                source = self._unsharded[self.rank * S : (self.rank + 1) * S]
-                ops.cast_scale_(source, self.shard, 1.0)
-            work = dist.all_gather_into_tensor(
-                self._unsharded, source, group=self.group, async_op=async_op
-            )
-        self._gather_work = work if async_op else None
-        return work
+        # The version is restored after the wait, as a backend may write the output (and bump
+        # its version) on its own thread any time before the wait returns (gloo copies out).
+        self._gather_version = self._unsharded._version
+        if self.param_dtype == self.dtype:
+            source = self.shard
+        else:  # cast this rank's shard into its own slot, then gather in place
+            source = self._unsharded[self.rank * S : (self.rank + 1) * S]
+            ops.cast_scale_(source, self.shard, 1.0)
+        self._gather_work = dist.all_gather_into_tensor(
+            self._unsharded, source, group=self.group, async_op=True
+        )
+        if not async_op:
+            self.wait_unshard()
+        return self._gather_work
 
     def wait_unshard(self) -> None:
         if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work = None
+            torch._C._autograd._unsafe_set_version_counter(
+                (self._unsharded,), (self._gather_version,)
+            )
 
     def reshard(self) -> None:
         """Free the unsharded buffer's storage (its views stay, without memory, until unshard)."""
@@ -237,20 +244,37 @@ class DBuffer:
         ops.zero_ranges_(self._grads, [(0, self._grads.numel())])
         return self.unsharded_grads
 
-    def reduce_grads(self, *, accumulate: bool = False, average: bool = True):
+    def reduce_grads(self, *, accumulate: bool = False, average: bool = True, async_op=False):
         """Reduce-scatter the gradient buffer into the sharded gradients.
 
         SUM on the wire (gloo's AVG is unreliable, pytorch #162338), then one fused kernel
         scales by 1/world (if `average`) and casts into the master-dtype shard gradient, adding to
         it when `accumulate`. HSDP: the result is then all-reduced over the other mesh dims.
+        With `async_op` only the reduce-scatter is launched; `finish_reduce()` completes it.
         """
+        self.finish_reduce()
         S = self.shard_size
         source = self._grads
         if self.reduce_dtype != self.param_dtype:  # e.g. bf16 gradients reduced in fp32
             source = torch.empty(self.world * S, dtype=self.reduce_dtype, device=self.device)
             ops.cast_scale_(source, self._grads, 1.0)
         reduced = torch.empty(S, dtype=self.reduce_dtype, device=self.device)
-        dist.reduce_scatter_tensor(reduced, source, op=dist.ReduceOp.SUM, group=self.group)
+        work = dist.reduce_scatter_tensor(
+            reduced, source, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+        )
+        self._reduce = (work, source, reduced, accumulate, average)
+        if not async_op:
+            self.finish_reduce()
+
+    def finish_reduce(self) -> None:
+        """Wait for a launched reduce-scatter and write the sharded gradients (no-op if none)."""
+        if self._reduce is None:
+            return
+        work, source, reduced, accumulate, average = self._reduce
+        self._reduce = None
+        work.wait()
+        del source
+        S = self.shard_size
         replicas = 1
         for d in range(self.mesh.ndim):
             if d != self.shard_dim:

@@ -76,15 +76,10 @@ class FSDPModule:
         self._veragged_root.forward_prefetch[self._veragged_group] = [_group_of(m) for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """Not supported yet: all-gathers in backward run when each module's backward starts.
+        self._veragged_root.backward_prefetch[self._veragged_group] = [
+            _group_of(m) for m in modules
+        ]
 
-        (An all-gather issued asynchronously during backward currently trips autograd's
-        saved-tensor version check; see the notes of issue 4.)
-        """
-        raise NotImplementedError(
-            "veragged.fully_shard does not support backward prefetch yet "
-            "(set_modules_to_backward_prefetch)"
-        )
 
 def _group_of(module) -> ParamGroup:
     if not isinstance(module, FSDPModule):

@@ -12,8 +12,13 @@ into the DBuffer's shard), which is what `parameters()`, optimizers and `state_d
 - pre-backward: unshard if needed; allocate and zero the gradient buffer and make its views the
   unsharded parameters' `.grad`, so the autograd engine accumulates into place.
 - post-backward: once every unsharded parameter with a gradient has accumulated (or at the end
-  of backward, from the root's final callback, for parameters the step did not use), reduce-
-  scatter the gradient buffer into the sharded `.grad` views and free what backward used.
+  of backward, from the root's final callback, for parameters the step did not use), launch the
+  reduce-scatter of the gradient buffer; backward of the earlier groups runs while it is on the
+  wire. The root's final callback waits for them in launch order, writes the sharded `.grad`
+  views and frees what backward used.
+- backward prefetch: once a group's backward has its parameters, the all-gather of the group
+  backward needs next (the one before it in forward order, or those set with
+  `set_modules_to_backward_prefetch`) is launched without waiting.
 Collectives are issued in forward/backward order, which is the same on every rank.
 """
 
@@ -139,6 +144,8 @@ class ParamGroup:
             self.root.pre_backward(self)
         self.unshard()
         self.wait_for_unshard()
+        if self.root is not None:
+            self.root.prefetch_before(self)
         if not self._grads_ready:
             grads = self.buffer.zero_unsharded_grads()
             for p, g in zip(self.unsharded, grads):
@@ -158,7 +165,7 @@ class ParamGroup:
             return
         self._in_backward = False
         if self.requires_grad_sync:
-            self.buffer.reduce_grads(accumulate=True)
+            self.buffer.reduce_grads(accumulate=True, async_op=True)
             for p in self.unsharded:
                 p.grad = None
             self._grads_ready = False
@@ -177,6 +184,7 @@ class RootState:
         self._recording = True
         self._callback_queued = False
         self.forward_prefetch: dict[ParamGroup, list[ParamGroup]] = {}
+        self.backward_prefetch: dict[ParamGroup, list[ParamGroup]] = {}
 
     def pre_forward(self, group: ParamGroup) -> None:
         if self._recording and group not in self.forward_order:
@@ -193,6 +201,18 @@ class RootState:
         for nxt in targets or ():
             nxt.unshard(async_op=True)
 
+    def prefetch_before(self, group: ParamGroup) -> None:
+        """Start the all-gathers backward needs next while `group`'s backward computes: the
+        modules set with `set_modules_to_backward_prefetch`, else the group before it in the
+        forward order."""
+        targets = self.backward_prefetch.get(group)
+        if targets is None:
+            order = self.forward_order
+            i = order.index(group) if group in order else -1
+            targets = order[i - 1 : i] if i > 0 else []
+        for nxt in targets:
+            nxt.unshard(async_op=True)
+
     def pre_backward(self, group: ParamGroup) -> None:
         self._recording = False
         if not self._callback_queued:
@@ -202,8 +222,11 @@ class RootState:
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
-        for g in reversed(self.forward_order or self.groups):
+        order = list(reversed(self.forward_order or self.groups))
+        for g in order:
             g.post_backward()
+        for g in order:  # reduce-scatters finish in the order they were launched
+            g.buffer.finish_reduce()
         for g in self.groups:
             if g.reshard_after_backward and g.buffer.is_unsharded:
                 g.reshard()
