@@ -1,0 +1,1 @@
+"""Optimizers on RaggedShard parameters: distributed Muon and block-wise 8-bit AdamW."""
