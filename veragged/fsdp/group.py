@@ -14,8 +14,9 @@ into the DBuffer's shard), which is what `parameters()`, optimizers and `state_d
 - post-backward: once every unsharded parameter with a gradient has accumulated (or at the end
   of backward, from the root's final callback, for parameters the step did not use), launch the
   reduce-scatter of the gradient buffer; backward of the earlier groups runs while it is on the
-  wire. The root's final callback waits for them in launch order, writes the sharded `.grad`
-  views and frees what backward used.
+  wire. Launching one finishes the one before (writes its sharded `.grad` views, frees its
+  gradient buffer), so at most two gradient buffers are live; the root's final callback
+  finishes the last.
 - backward prefetch: once a group's backward has its parameters, the all-gather of the group
   backward needs next (the one before it in forward order, or those set with
   `set_modules_to_backward_prefetch`) is launched without waiting.
@@ -166,6 +167,8 @@ class ParamGroup:
         self._in_backward = False
         if self.requires_grad_sync:
             self.buffer.reduce_grads(accumulate=True, async_op=True)
+            if self.root is not None:
+                self.root.reduce_launched(self)
             for p in self.unsharded:
                 p.grad = None
             self._grads_ready = False
@@ -183,6 +186,7 @@ class RootState:
         self.forward_order: list[ParamGroup] = []
         self._recording = True
         self._callback_queued = False
+        self._reducing: ParamGroup | None = None  # the group whose reduce-scatter is in flight
         self.forward_prefetch: dict[ParamGroup, list[ParamGroup]] = {}
         self.backward_prefetch: dict[ParamGroup, list[ParamGroup]] = {}
 
@@ -220,13 +224,21 @@ class RootState:
             Variable._execution_engine.queue_callback(self._finish_backward)
 
 
+    def reduce_launched(self, group: ParamGroup) -> None:
+        """Keep one reduce-scatter in flight: finish the previous one (freeing its gradient
+        buffer) now that the next is on the wire, so at most two gradient buffers are live."""
+        if self._reducing is not None and self._reducing is not group:
+            self._reducing.buffer.finish_reduce()
+        self._reducing = group
+
     def _finish_backward(self) -> None:
         self._callback_queued = False
         order = list(reversed(self.forward_order or self.groups))
         for g in order:
             g.post_backward()
-        for g in order:  # reduce-scatters finish in the order they were launched
+        for g in order:  # the last reduce-scatter in flight (and any launched out of band)
             g.buffer.finish_reduce()
+        self._reducing = None
         for g in self.groups:
             if g.reshard_after_backward and g.buffer.is_unsharded:
                 g.reshard()
