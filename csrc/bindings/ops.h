@@ -4,6 +4,7 @@
 #include <c10/util/ArrayRef.h>
 
 #include <cstdint>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -21,5 +22,16 @@ std::vector<int64_t> flat_range_boxes_op(c10::IntArrayRef shape, int64_t begin, 
 // interval_overlaps(int[] src_bounds, int[] dst_bounds, int rank) -> (int[] send, int[] recv)
 std::tuple<std::vector<int64_t>, std::vector<int64_t>> interval_overlaps_op(
     c10::IntArrayRef src_bounds, c10::IntArrayRef dst_bounds, int64_t rank);
+
+// plan_owners(int[] block_rows, int[] block_cols, int[] blocks_per_matrix, int[] buckets,
+//             int world_size, str strategy, str cost, float alpha, int capacity, int ns_steps)
+//   -> (int[] owners, int[] group_offsets, int[] group_members, int[] loads, int capacity)
+// Micro-group g is group_members[group_offsets[g]:group_offsets[g + 1]] (optim/owners.h).
+std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+           int64_t>
+plan_owners_op(c10::IntArrayRef block_rows, c10::IntArrayRef block_cols,
+               c10::IntArrayRef blocks_per_matrix, c10::IntArrayRef buckets, int64_t world_size,
+               std::string_view strategy, std::string_view cost, double alpha, int64_t capacity,
+               int64_t ns_steps);
 
 }  // namespace veragged

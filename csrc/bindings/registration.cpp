@@ -38,4 +38,13 @@ TORCH_LIBRARY(veragged, m) {
   m.def("accumulate_(Tensor(a!) dst, Tensor src, float alpha=1.0) -> ()");
   m.def("scale_(Tensor(a!) dst, float alpha) -> ()");
   m.def("zero_ranges_(Tensor(a!) dst, int[] ranges) -> ()");
+  // Host-side owner plan of distributed Muon ([Note: Muon owner plan], optim/owners.h): block b
+  // of the flattened row blocks belongs to the matrix its blocks_per_matrix run covers; micro-group
+  // g is group_members[group_offsets[g]:group_offsets[g + 1]]; capacity <= 0 asks for the default
+  // and the capacity used comes back (0 unless strategy is "lpt").
+  m.def(
+      "plan_owners(int[] block_rows, int[] block_cols, int[] blocks_per_matrix, int[] buckets, "
+      "int world_size, str strategy, str cost, float alpha, int capacity, int ns_steps) "
+      "-> (int[] owners, int[] group_offsets, int[] group_members, int[] loads, int capacity)",
+      &veragged::plan_owners_op);
 }

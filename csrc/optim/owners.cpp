@@ -1,0 +1,270 @@
+// plan_owners: input checks, the cost models and the three strategies of [Note: Muon owner plan].
+
+#include "optim/owners.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <functional>
+#include <map>
+#include <queue>
+#include <sstream>
+#include <stdexcept>
+#include <utility>
+
+namespace veragged {
+namespace optim {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& message) { throw std::invalid_argument(message); }
+
+std::string str(int64_t value) { return std::to_string(value); }
+
+int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
+
+int64_t mul(int64_t a, int64_t b, const std::string& what) {
+  int64_t out = 0;
+  if (__builtin_mul_overflow(a, b, &out)) fail(what + " overflows int64");
+  return out;
+}
+
+int64_t add(int64_t a, int64_t b, const std::string& what) {
+  int64_t out = 0;
+  if (__builtin_add_overflow(a, b, &out)) fail(what + " overflows int64");
+  return out;
+}
+
+void check_inputs(const std::vector<std::vector<Block>>& matrices,
+                  const std::vector<int64_t>& buckets, int64_t world_size,
+                  const OwnerOptions& options) {
+  if (world_size < 1) fail("world_size must be >= 1, got " + str(world_size));
+  if (!(options.alpha >= 0.0 && options.alpha <= 1.0)) {  // also rejects NaN
+    std::ostringstream message;
+    message << "alpha must be in [0, 1], got " << options.alpha;
+    fail(message.str());
+  }
+  if (options.ns_steps < 1) fail("ns_steps must be >= 1, got " + str(options.ns_steps));
+  if (!buckets.empty() && buckets.size() != matrices.size()) {
+    fail("buckets must be empty or have one id per matrix, got " + str(buckets.size()) +
+         " ids for " + str(matrices.size()) + " matrices");
+  }
+  for (std::size_t i = 0; i < buckets.size(); ++i) {
+    if (buckets[i] < 0) fail("buckets[" + str(i) + "] must be >= 0, got " + str(buckets[i]));
+  }
+}
+
+// Per-rank totals of an owner assignment.
+std::vector<int64_t> rank_loads(const std::vector<int64_t>& owners,
+                                const std::vector<int64_t>& costs, int64_t world_size) {
+  std::vector<int64_t> loads(static_cast<std::size_t>(world_size), 0);
+  for (std::size_t i = 0; i < owners.size(); ++i) loads[owners[i]] += costs[i];
+  return loads;  // no overflow: matrix_costs checked the grand total
+}
+
+OwnerPlan plan_naive(const std::vector<int64_t>& costs, int64_t world_size) {
+  OwnerPlan plan;
+  const int64_t n = static_cast<int64_t>(costs.size());
+  for (int64_t i = 0; i < n; ++i) {
+    plan.owners.push_back(i % world_size);
+    if (i % world_size == 0) plan.groups.emplace_back();
+    plan.groups.back().push_back(i);
+  }
+  plan.loads = rank_loads(plan.owners, costs, world_size);
+  return plan;
+}
+
+OwnerPlan plan_lpt(const std::vector<int64_t>& costs, int64_t world_size, int64_t capacity) {
+  const std::size_t n = costs.size();
+  std::vector<int64_t> order(n);
+  for (std::size_t i = 0; i < n; ++i) order[i] = static_cast<int64_t>(i);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return costs[a] != costs[b] ? costs[a] > costs[b] : a < b;
+  });
+  int64_t total = 0, largest = 0;
+  for (int64_t c : costs) total += c, largest = std::max(largest, c);
+  if (capacity <= 0) capacity = std::max(largest, ceil_div(ceil_div(total, world_size), 4));
+
+  OwnerPlan plan;
+  plan.capacity = capacity;
+  plan.owners.assign(n, 0);
+  // Total load per rank, carried across micro-groups; the heap's top is the least loaded rank,
+  // the lower rank on ties.
+  using Slot = std::pair<int64_t, int64_t>;  // (load, rank)
+  std::priority_queue<Slot, std::vector<Slot>, std::greater<Slot>> heap;
+  for (int64_t r = 0; r < world_size; ++r) heap.push({0, r});
+  std::vector<int64_t> gained(static_cast<std::size_t>(world_size), 0);  // within the group
+  int64_t group_max = 0;
+  for (int64_t item : order) {
+    const Slot slot = heap.top();
+    heap.pop();
+    const int64_t rank = slot.second;
+    const int64_t cost = costs[item];
+    if (!plan.groups.empty() && std::max(group_max, gained[rank] + cost) > capacity) {
+      plan.groups.emplace_back();  // rollback: close the group, carry its loads on
+      std::fill(gained.begin(), gained.end(), 0);
+      group_max = 0;
+    }
+    if (plan.groups.empty()) plan.groups.emplace_back();
+    plan.groups.back().push_back(item);
+    plan.owners[item] = rank;
+    gained[rank] += cost;
+    group_max = std::max(group_max, gained[rank]);
+    heap.push({slot.first + cost, rank});
+  }
+  plan.loads = rank_loads(plan.owners, costs, world_size);
+  return plan;
+}
+
+// The closest boundary u in [lo, n] to the cumulative target `target`, where prefix[u] is the
+// cost of the bucket's first u matrices (non-decreasing); ties go to the earlier boundary.
+std::size_t closest_cut(const std::vector<int64_t>& prefix, std::size_t lo, double target) {
+  const auto first = prefix.begin() + static_cast<std::ptrdiff_t>(lo);
+  const auto above = std::upper_bound(first, prefix.end(), target, [](double t, int64_t p) {
+    return t < static_cast<double>(p);
+  });
+  if (above == first) return lo;  // every boundary is past the target: the earliest is closest
+  // The earliest boundary with the largest cumulative cost <= target.
+  const auto below = std::lower_bound(first, above, *(above - 1));
+  const std::size_t u_below = static_cast<std::size_t>(below - prefix.begin());
+  if (above == prefix.end()) return u_below;
+  const double d_below = target - static_cast<double>(*below);
+  const double d_above = static_cast<double>(*above) - target;
+  return d_below <= d_above ? u_below : static_cast<std::size_t>(above - prefix.begin());
+}
+
+OwnerPlan plan_alpha(const std::vector<int64_t>& costs, const std::vector<int64_t>& buckets,
+                     int64_t world_size, double alpha) {
+  const std::size_t n = costs.size();
+  const std::size_t world = static_cast<std::size_t>(world_size);
+  std::map<int64_t, std::vector<int64_t>> members;  // bucket id -> matrices in input order
+  for (std::size_t i = 0; i < n; ++i) {
+    members[buckets.empty() ? 0 : buckets[i]].push_back(static_cast<int64_t>(i));
+  }
+  struct Bucket {
+    int64_t id;
+    int64_t load;
+  };
+  std::vector<Bucket> by_load;
+  int64_t total = 0;
+  for (const auto& entry : members) {
+    int64_t load = 0;
+    for (int64_t i : entry.second) load += costs[i];
+    by_load.push_back({entry.first, load});
+    total += load;
+  }
+  std::sort(by_load.begin(), by_load.end(), [](const Bucket& a, const Bucket& b) {
+    return a.load != b.load ? a.load > b.load : a.id < b.id;
+  });
+
+  OwnerPlan plan;
+  plan.owners.assign(n, 0);
+  std::vector<int64_t> loads(world, 0);
+  const double mean = static_cast<double>(total) / static_cast<double>(world_size);
+  const double even = 1.0 / static_cast<double>(world_size);
+  std::vector<double> deficit(world);
+  for (const Bucket& bucket : by_load) {
+    const std::vector<int64_t>& items = members[bucket.id];
+    double deficit_total = 0.0;
+    for (std::size_t r = 0; r < world; ++r) {
+      deficit[r] = std::max(0.0, mean - static_cast<double>(loads[r]));
+      deficit_total += deficit[r];
+    }
+    std::vector<int64_t> prefix(items.size() + 1, 0);
+    for (std::size_t k = 0; k < items.size(); ++k) prefix[k + 1] = prefix[k] + costs[items[k]];
+    double target = 0.0;  // cumulative target load of ranks 0..r
+    std::size_t start = 0;
+    for (std::size_t r = 0; r < world; ++r) {
+      std::size_t end = items.size();  // the last rank takes the rest
+      if (r + 1 < world) {
+        const double fill = deficit_total > 0.0 ? deficit[r] / deficit_total : even;
+        target += static_cast<double>(bucket.load) * ((1.0 - alpha) * even + alpha * fill);
+        end = closest_cut(prefix, start, target);
+      }
+      for (std::size_t k = start; k < end; ++k) plan.owners[items[k]] = static_cast<int64_t>(r);
+      loads[r] += prefix[end] - prefix[start];
+      start = end;
+    }
+  }
+  for (const auto& entry : members) plan.groups.push_back(entry.second);
+  plan.loads = std::move(loads);
+  return plan;
+}
+
+}  // namespace
+
+Strategy parse_strategy(const std::string& name) {
+  if (name == "naive") return Strategy::kNaive;
+  if (name == "lpt") return Strategy::kLpt;
+  if (name == "alpha") return Strategy::kAlpha;
+  fail("unknown strategy '" + name + "' (expected naive, lpt or alpha)");
+}
+
+Cost parse_cost(const std::string& name) {
+  if (name == "flops") return Cost::kFlops;
+  if (name == "numel") return Cost::kNumel;
+  fail("unknown cost '" + name + "' (expected flops or numel)");
+}
+
+double OwnerPlan::ratio() const {
+  int64_t total = 0, largest = 0;
+  for (int64_t load : loads) total += load, largest = std::max(largest, load);
+  if (total == 0) return 1.0;
+  return static_cast<double>(largest) * static_cast<double>(loads.size()) /
+         static_cast<double>(total);
+}
+
+int64_t block_cost(const Block& block, Cost cost, int64_t ns_steps) {
+  if (block.rows < 0) fail("rows must be >= 0, got " + str(block.rows));
+  if (block.cols < 0) fail("cols must be >= 0, got " + str(block.cols));
+  const std::string what = "the " + std::string(cost == Cost::kFlops ? "flops" : "numel") +
+                           " cost of a " + str(block.rows) + "x" + str(block.cols) + " block";
+  if (cost == Cost::kNumel) return mul(block.rows, block.cols, what);
+  const int64_t s = std::min(block.rows, block.cols), l = std::max(block.rows, block.cols);
+  const int64_t s2 = mul(s, s, what);
+  const int64_t step = add(mul(mul(4, s2, what), l, what), mul(mul(2, s2, what), s, what), what);
+  return mul(ns_steps, step, what);
+}
+
+std::vector<int64_t> matrix_costs(const std::vector<std::vector<Block>>& matrices, Cost cost,
+                                  int64_t ns_steps) {
+  if (ns_steps < 1) fail("ns_steps must be >= 1, got " + str(ns_steps));
+  std::vector<int64_t> costs;
+  int64_t total = 0;
+  for (std::size_t i = 0; i < matrices.size(); ++i) {
+    const std::string at = "matrices[" + str(i) + "]";
+    if (matrices[i].empty()) fail(at + " has no blocks");
+    int64_t sum = 0;
+    for (std::size_t b = 0; b < matrices[i].size(); ++b) {
+      int64_t c = 0;
+      try {
+        c = block_cost(matrices[i][b], cost, ns_steps);
+      } catch (const std::invalid_argument& error) {
+        fail(at + " block " + str(b) + ": " + error.what());
+      }
+      sum = add(sum, c, "the cost of " + at);
+    }
+    total = add(total, sum, "the total cost at " + at);
+    costs.push_back(sum);
+  }
+  return costs;
+}
+
+OwnerPlan plan_owners(const std::vector<std::vector<Block>>& matrices,
+                      const std::vector<int64_t>& buckets, int64_t world_size,
+                      const OwnerOptions& options) {
+  check_inputs(matrices, buckets, world_size, options);
+  const std::vector<int64_t> costs = matrix_costs(matrices, options.cost, options.ns_steps);
+  switch (options.strategy) {
+    case Strategy::kNaive:
+      return plan_naive(costs, world_size);
+    case Strategy::kLpt:
+      return plan_lpt(costs, world_size, options.capacity);
+    case Strategy::kAlpha:
+      return plan_alpha(costs, buckets, world_size, options.alpha);
+  }
+  fail("unknown strategy " + str(static_cast<int64_t>(options.strategy)));
+}
+
+}  // namespace optim
+}  // namespace veragged

@@ -1,0 +1,106 @@
+// Owner plan for distributed Muon: which rank orthogonalises each whole 2-D matrix, and in which
+// micro-groups the matrices are gathered, computed and scattered back (Canzona, arXiv 2602.06079).
+//
+// Pure C++17: no torch headers, so the same code builds into veragged._C and into the
+// GoogleTest binary under tests/cpp.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace veragged {
+namespace optim {
+
+// [Note: Muon owner plan]
+// Distributed Muon gathers every 2-D matrix whole onto one owner rank, runs Newton-Schulz there
+// and sends the update back. Every rank computes the plan itself, so it must be bit-identical
+// everywhere: costs are int64, orders are total (ties broken by index or rank), and the only
+// floating point (alpha's targets) is a fixed sequence of IEEE operations compared exactly.
+//
+// Input: per matrix a list of row blocks (rows, cols). A fused matrix (QKV split into q, k, v)
+// is one matrix with several blocks: each block is orthogonalised separately, but the matrix has
+// one owner. Its cost is the sum over its blocks of
+//   flops: ns_steps * (4 s^2 l + 2 s^3), s = min(rows, cols), l = max(rows, cols); per step
+//          A = X X^T (2 s^2 l), A @ A (2 s^3) and B @ X (2 s^2 l) on the s-by-l orientation;
+//   numel: rows * cols.
+// Output: the owner of each matrix, micro-groups (lists of matrix indices in execution order,
+// each matrix in exactly one), the per-rank total loads and max/mean.
+//
+// Strategies:
+//   naive  matrix i -> rank i % world in input order (Keller Jordan's Muon); one micro-group per
+//          `world` consecutive matrices.
+//   lpt    Canzona Algorithm 3 + 4 with carried loads. Matrices are sorted by cost descending,
+//          ties by index. Each goes to the rank of least total load (min-heap of (load, rank),
+//          so ties go to the lower rank): the heap is seeded with the loads of earlier
+//          micro-groups, so the owners are exactly global LPT (max <= (4/3 - 1/(3 world)) OPT).
+//          A matrix joins the current micro-group while the load every rank gains *within the
+//          group* stays <= capacity; otherwise the group is closed (rollback) and the matrix
+//          opens the next one. The paper's MinHeapSolver re-sorts and re-solves the group on
+//          every addition; items arrive in the solver's own order (cost descending), so that is
+//          the same as placing just the new item, which is what we do (O(n log world) total).
+//          A matrix above capacity on its own forms a group alone rather than raising (the
+//          paper raises): a plan always exists. capacity <= 0 picks the default
+//          max(largest matrix cost, ceil(total / world / 4)), so no matrix is oversize and a
+//          plan has about four or more micro-groups to pipeline.
+//   alpha  Canzona Algorithm 1 (alpha-balanced static partitioning). Matrices with the same
+//          bucket id form a bucket, kept in input order; buckets are processed by total cost
+//          descending (ties: lower id). With mu = total / world and deficits
+//          d_r = max(0, mu - L_r), the bucket's target share is
+//          v* = (1 - alpha) / world + alpha * d / sum(d) (even when sum(d) == 0); rank r
+//          (in rank order) gets a contiguous run of the bucket ending at the matrix boundary
+//          whose cumulative cost is closest to the cumulative target (ties: the earlier
+//          boundary; never before the previous cut). alpha = 1 balances compute, alpha = 0
+//          cuts every bucket evenly (ZeRO-1 communication balance). One micro-group per
+//          non-empty bucket, in ascending bucket id, members in input order; capacity unused.
+// Buckets are used by alpha only (the others validate and ignore them); without buckets every
+// matrix is in bucket 0.
+
+enum class Strategy : int64_t { kNaive = 0, kLpt = 1, kAlpha = 2 };
+enum class Cost : int64_t { kFlops = 0, kNumel = 1 };
+
+// "naive" | "lpt" | "alpha" and "flops" | "numel"; std::invalid_argument on anything else.
+Strategy parse_strategy(const std::string& name);
+Cost parse_cost(const std::string& name);
+
+// One row block of a matrix.
+struct Block {
+  int64_t rows;
+  int64_t cols;
+};
+
+struct OwnerOptions {
+  Strategy strategy = Strategy::kLpt;
+  Cost cost = Cost::kFlops;
+  double alpha = 1.0;    // alpha only, in [0, 1]
+  int64_t capacity = 0;  // lpt only: max load a rank may gain within one micro-group; <= 0: default
+  int64_t ns_steps = 5;  // flops only, >= 1
+};
+
+struct OwnerPlan {
+  std::vector<int64_t> owners;               // per matrix, in [0, world)
+  std::vector<std::vector<int64_t>> groups;  // micro-groups in execution order
+  std::vector<int64_t> loads;                // per rank, sum of its matrices' costs
+  int64_t capacity = 0;                      // lpt: the capacity used; others: 0
+  double ratio() const;                      // max / mean load; 1 when every load is 0
+};
+
+// Cost of one block under the cost model. Throws std::invalid_argument on negative sizes or
+// int64 overflow.
+int64_t block_cost(const Block& block, Cost cost, int64_t ns_steps);
+
+// Per matrix, the sum of its blocks' costs (same errors, naming the matrix and block).
+std::vector<int64_t> matrix_costs(const std::vector<std::vector<Block>>& matrices, Cost cost,
+                                  int64_t ns_steps);
+
+// Plans owners and micro-groups ([Note: Muon owner plan]). `buckets` is empty or has one id
+// (>= 0) per matrix. Throws std::invalid_argument naming the argument and value for:
+// world_size < 1, alpha outside [0, 1] (or NaN), ns_steps < 1, a matrix with no blocks, a
+// negative rows or cols, a negative bucket id, a buckets length that differs from the matrix
+// count, or costs that overflow int64.
+OwnerPlan plan_owners(const std::vector<std::vector<Block>>& matrices,
+                      const std::vector<int64_t>& buckets, int64_t world_size,
+                      const OwnerOptions& options = OwnerOptions());
+
+}  // namespace optim
+}  // namespace veragged

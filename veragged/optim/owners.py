@@ -1,0 +1,167 @@
+"""`plan_owners()` and `OwnerPlan`: which rank orthogonalises each Muon matrix, and when.
+
+The Python face of the C++ owner plan (csrc/optim/owners.h, ``[Note: Muon owner plan]``).
+Distributed Muon gathers each whole 2-D matrix onto one owner rank, runs Newton-Schulz there and
+sends the update back. The plan is computed by every rank from the same shapes, and is identical
+everywhere (integer costs, total orders, no hash containers), so it needs no communication.
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["OwnerPlan", "plan_owners", "STRATEGIES", "COSTS"]
+
+#: Owner strategies (csrc/optim/owners.h): Keller Jordan's round robin, global LPT with
+#: capacity-bounded micro-groups (Canzona Algorithm 3), alpha-balanced contiguous runs per
+#: bucket (Canzona Algorithm 1).
+STRATEGIES = ("naive", "lpt", "alpha")
+#: Cost models: Newton-Schulz FLOPs ``ns_steps * (4 s^2 l + 2 s^3)`` per row block, with
+#: ``s = min(rows, cols)``, ``l = max(rows, cols)``; or the element count.
+COSTS = ("flops", "numel")
+
+
+@dataclass(frozen=True)
+class OwnerPlan:
+    """Owner rank of every matrix and the micro-groups to run them in.
+
+    Attributes:
+        owners: per matrix (input order), the rank that computes its update, in ``[0, world)``.
+        groups: micro-groups in execution order; each is a tuple of matrix indices, and every
+            matrix is in exactly one. A group is one gather -> Newton-Schulz -> scatter round:
+            ``lpt`` groups hold matrices in cost-descending order (ties: lower index) and bound
+            what any rank computes per round by ``capacity``; ``naive`` groups are ``world``
+            consecutive matrices; ``alpha`` has one group per bucket (ascending bucket id),
+            matrices in input order.
+        loads: per rank, the summed cost of the matrices it owns.
+        capacity: ``lpt``: the most cost a rank gains within one group (only a lone matrix
+            above it is allowed to exceed it); ``0`` for the other strategies.
+    """
+
+    owners: tuple[int, ...]
+    groups: tuple[tuple[int, ...], ...]
+    loads: tuple[int, ...]
+    capacity: int = 0
+
+    @property
+    def world(self) -> int:
+        """Number of ranks."""
+        return len(self.loads)
+
+    @property
+    def ratio(self) -> float:
+        """Load balance, max / mean over ranks (1.0 is perfect; 1.0 when every load is 0)."""
+        total = sum(self.loads)
+        return max(self.loads) * len(self.loads) / total if total else 1.0
+
+
+def _int(name: str, value) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    value = operator.index(value)
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{name} = {value} does not fit in int64")
+    return value
+
+
+def _blocks(shapes, split_sizes) -> tuple[list[int], list[int], list[int]]:
+    """Flattened row blocks: (block rows, block cols, blocks per matrix)."""
+    shapes = list(shapes)
+    if split_sizes is not None:
+        split_sizes = list(split_sizes)
+        if len(split_sizes) != len(shapes):
+            raise ValueError(
+                f"split_sizes must have one entry per shape, got {len(split_sizes)} for "
+                f"{len(shapes)} shapes"
+            )
+    rows_out, cols_out, counts = [], [], []
+    for i, shape in enumerate(shapes):
+        shape = tuple(shape)
+        if len(shape) != 2:
+            raise ValueError(f"shapes[{i}] must be a (rows, cols) pair, got {shape!r}")
+        rows, cols = _int(f"shapes[{i}][0]", shape[0]), _int(f"shapes[{i}][1]", shape[1])
+        if rows < 0 or cols < 0:
+            raise ValueError(f"shapes[{i}] must have rows and cols >= 0, got {shape!r}")
+        split = None if split_sizes is None else split_sizes[i]
+        if split is None:
+            split = (rows,)
+        else:
+            split = tuple(_int(f"split_sizes[{i}][{b}]", s) for b, s in enumerate(split))
+            if not split or min(split) < 1 or sum(split) != rows:
+                raise ValueError(
+                    f"split_sizes[{i}] must be row-block sizes >= 1 summing to rows = {rows}, "
+                    f"got {split!r}"
+                )
+        rows_out += split
+        cols_out += [cols] * len(split)
+        counts.append(len(split))
+    return rows_out, cols_out, counts
+
+
+def plan_owners(
+    shapes: Sequence[Sequence[int]],
+    world_size: int,
+    *,
+    strategy: str = "lpt",
+    cost: str = "flops",
+    alpha: float = 1.0,
+    capacity: Optional[int] = None,
+    ns_steps: int = 5,
+    split_sizes: Optional[Sequence[Optional[Sequence[int]]]] = None,
+    buckets: Optional[Sequence[int]] = None,
+) -> OwnerPlan:
+    """Plans which rank runs Newton-Schulz on each matrix (``[Note: Muon owner plan]``).
+
+    Args:
+        shapes: ``(rows, cols)`` of each 2-D matrix, in a fixed order every rank agrees on.
+        world_size: number of ranks sharing the work.
+        strategy: ``"lpt"`` (default: global LPT, loads carried across micro-groups),
+            ``"naive"`` (matrix ``i`` on rank ``i % world_size``) or ``"alpha"`` (Canzona's
+            alpha-balanced contiguous runs within each bucket).
+        cost: ``"flops"`` (Newton-Schulz FLOPs) or ``"numel"``.
+        alpha: ``"alpha"`` only, in ``[0, 1]``: 1 balances compute, 0 cuts each bucket evenly.
+        capacity: ``"lpt"`` only: the most cost a rank may gain within one micro-group. ``None``
+            picks ``max(largest matrix cost, ceil(total / world_size / 4))``.
+        ns_steps: Newton-Schulz iterations (scales ``"flops"``; never changes the plan).
+        split_sizes: optional, per matrix ``None`` or the sizes of its row blocks (summing to
+            rows), e.g. ``(q, k, v)`` rows of a fused QKV: each block is orthogonalised on its
+            own, so costs are per block, but the matrix keeps one owner.
+        buckets: optional bucket id (``>= 0``) per matrix, e.g. its parameter group or layer;
+            used by ``"alpha"`` only.
+
+    Returns:
+        A frozen :class:`OwnerPlan`.
+
+    Raises:
+        ValueError: a bad shape or split, ``world_size < 1``, an unknown strategy or cost,
+            ``alpha`` outside ``[0, 1]``, ``capacity < 1``, ``ns_steps < 1``, a bucket id < 0 or
+            a ``buckets`` length that differs from ``shapes``, or costs overflowing int64.
+        TypeError: a size is not an int.
+    """
+    rows, cols, counts = _blocks(shapes, split_sizes)
+    if capacity is not None and _int("capacity", capacity) < 1:
+        raise ValueError(f"capacity must be None or >= 1, got {capacity}")
+    if not isinstance(alpha, numbers.Real):
+        raise TypeError(f"alpha must be a real number, got {alpha!r}")
+    bucket_ids = (
+        [] if buckets is None else [_int(f"buckets[{i}]", b) for i, b in enumerate(buckets)]
+    )
+    owners, offsets, members, loads, used_capacity = torch.ops.veragged.plan_owners(
+        rows,
+        cols,
+        counts,
+        bucket_ids,
+        _int("world_size", world_size),
+        str(strategy),
+        str(cost),
+        float(alpha),
+        0 if capacity is None else capacity,
+        _int("ns_steps", ns_steps),
+    )
+    groups = tuple(tuple(members[a:b]) for a, b in zip(offsets, offsets[1:], strict=False))
+    return OwnerPlan(tuple(owners), groups, tuple(loads), used_capacity)
