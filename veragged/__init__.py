@@ -38,3 +38,4 @@ __all__ = [
     "redistribute",
 ]
 __version__ = "0.1.0"
+from veragged import optim  # noqa: E402  (veragged.optim.Muon, veragged.optim.AdamW8bit)
