@@ -9,6 +9,8 @@ cases without patching torch: `isinstance(x, DTensor)` still holds, torch code t
 
 from __future__ import annotations
 
+import copy
+
 import weakref
 from typing import Any, Sequence
 
@@ -205,6 +207,19 @@ class RaggedDTensor(DTensor):
         from veragged.checkpoint.ragged import get_tensor_shard
 
         return get_tensor_shard(self, index)
+
+    def __deepcopy__(self, memo):
+        """A RaggedDTensor with a deep copy of the local shard (parameters stay parameters)."""
+        if id(self) in memo:
+            return memo[id(self)]
+        out = RaggedDTensor(
+            copy.deepcopy(self._local_tensor.detach(), memo), self._spec,
+            requires_grad=self.requires_grad,
+        )
+        if isinstance(self, torch.nn.Parameter) or getattr(self, "_is_param", False):
+            out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
+        memo[id(self)] = out
+        return out
 
     def __reduce_ex__(self, protocol):
         raise TypeError(
