@@ -5,9 +5,10 @@
 
 The text is the source of Python's own `argparse` module, as bytes (vocabulary 256). Each block is
 sharded with `veragged.fully_shard`; the fused QKV projection gets 8-row blocks (granularity_fn),
-norms stay whole on one rank. Every `--log-every` steps rank 0 prints loss, tokens/s and peak
-memory; at the end the model and AdamW state are saved with torch.distributed.checkpoint, and a
-later run with more `--steps` loads them and goes on.
+norms stay whole on one rank. `--optim` picks veragged's distributed Muon (default; AdamW for the
+embedding, head and norms), its block-wise 8-bit AdamW, or torch's AdamW. Every `--log-every`
+steps rank 0 prints loss, tokens/s and peak memory; at the end the model and optimizer state are
+saved with torch.distributed.checkpoint, and a later run with more `--steps` loads them and goes on.
 """
 
 import argparse
@@ -34,7 +35,9 @@ def parse_args():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--optim", choices=("muon", "adamw8bit", "adamw"), default="muon")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW's lr (Muon's is --muon-lr)")
+    p.add_argument("--muon-lr", type=float, default=0.02)
     p.add_argument(
         "--bf16", action="store_true", help="bf16 compute, fp32 reduce and master weights"
     )
@@ -64,6 +67,26 @@ def granularity(fqn, param):
     if fqn.endswith("norm.weight"):
         return param.numel()  # a norm's weight stays whole on one rank
     return None  # element-wise
+
+
+def make_optimizer(args, model):
+    if args.optim == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    if args.optim == "adamw8bit":
+        return veragged.optim.AdamW8bit(model.parameters(), lr=args.lr, weight_decay=0.1)
+    named = dict(model.named_parameters())
+    adamw = [p for n, p in named.items() if "embed" in n or "head" in n or p.ndim != 2]
+    qkv = [p for n, p in named.items() if n.endswith("qkv.weight")]
+    rest = [p for p in named.values() if all(p is not q for q in adamw + qkv)]
+    return veragged.optim.Muon(
+        [
+            {"params": adamw, "use_muon": False, "lr": args.lr},
+            {"params": qkv, "split_sizes": (args.dim,) * 3},  # q, k and v apart
+            {"params": rest},
+        ],
+        lr=args.muon_lr,
+        weight_decay=0.1,
+    )
 
 
 def peak_memory_mb(device):
@@ -105,10 +128,11 @@ def main():
         if args.bf16
         else MixedPrecisionPolicy()
     )
+    blocks = veragged.optim.adamw8bit_granularity() if args.optim == "adamw8bit" else granularity
     for block in model.blocks:
-        veragged.fully_shard(block, mesh=mesh, mp_policy=mp, granularity_fn=granularity)
-    veragged.fully_shard(model, mesh=mesh, mp_policy=mp, granularity_fn=granularity)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+        veragged.fully_shard(block, mesh=mesh, mp_policy=mp, granularity_fn=blocks)
+    veragged.fully_shard(model, mesh=mesh, mp_policy=mp, granularity_fn=blocks)
+    opt = make_optimizer(args, model)
 
     start = 0
     if args.ckpt and os.path.isdir(args.ckpt):

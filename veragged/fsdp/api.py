@@ -184,8 +184,12 @@ def fully_shard(
         )
         group.reshard()
         groups.append(group)
-        module.register_forward_pre_hook(group.pre_forward, with_kwargs=True)
-        module.register_forward_hook(group.post_forward)
+        # The hooks gather, free and swap parameters: they run eagerly, also when the module is
+        # compiled (torch.compile then compiles the forward between them).
+        module.register_forward_pre_hook(
+            torch.compiler.disable(group.pre_forward), with_kwargs=True
+        )
+        module.register_forward_hook(torch.compiler.disable(group.post_forward))
     root = RootState(groups)
     for m in [module, *children]:
         m._veragged_root = root
