@@ -207,7 +207,15 @@ class AdamW8bit(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's `load_state_dict`, without its cast of every floating state tensor to the
         parameter's dtype (which would turn uint8 codes into floats and round fp32 absmax and
-        moments to bf16); then checks each state matches its parameter's layout."""
+        moments to bf16). `block_size` and `min_8bit_size` must be those saved, and every
+        parameter's state must have its layout's keys and dtypes; ValueError otherwise."""
+        for i, (mine, saved) in enumerate(zip(self.param_groups, state_dict["param_groups"])):
+            for key in ("block_size", "min_8bit_size"):  # they fix the state's layout
+                if saved.get(key) != mine[key]:
+                    raise ValueError(
+                        f"AdamW8bit.load_state_dict: param group {i} was saved with "
+                        f"{key}={saved.get(key)!r} but this optimizer has {key}={mine[key]!r}"
+                    )
         super().load_state_dict(state_dict)
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         groups = [(g, p) for g in self.param_groups for p in g["params"]]
