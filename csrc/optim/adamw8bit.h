@@ -99,21 +99,34 @@ C10_HOST_DEVICE inline ElementUpdate update_element(float p, float g, float m, f
   return {p, m, v, true};
 }
 
-// Nearest code of x in a sorted 256-entry map (ties: the lower code).
-C10_HOST_DEVICE inline int nearest_code(const float* qmap, float x) {
-  int lo = 0;
-  for (int step = kQmapSize / 2; step > 0; step >>= 1)
-    if (qmap[lo + step] <= x) lo += step;  // lo + step <= 255 always
-  if (lo < kQmapSize - 1 && VR_SUB(qmap[lo + 1], x) < VR_SUB(x, qmap[lo])) lo += 1;
-  return lo;
+// The last code whose value is <= x (0 if none): an 8-step binary search. Branchless: the
+// comparisons are data-dependent and would mispredict half the time. The CPU kernel finds the
+// same code faster through a bucket table (adamw8bit.cpp); every caller then rounds with
+// `nearest_from_floor`, so the codes do not depend on how the floor was found.
+struct SearchFloor {
+  const float* qmap;
+  C10_HOST_DEVICE int operator()(float x) const {
+    int lo = 0;
+    for (int step = kQmapSize / 2; step > 0; step >>= 1)
+      lo += step & -static_cast<int>(qmap[lo + step] <= x);  // lo + step <= 255 always
+    return lo;
+  }
+};
+
+// Nearest code of x given its floor code `lo` (ties: the lower code).
+C10_HOST_DEVICE inline int nearest_from_floor(const float* qmap, int lo, float x) {
+  const int hi = lo + (lo < kQmapSize - 1);
+  return lo + static_cast<int>(VR_SUB(qmap[hi], x) < VR_SUB(x, qmap[lo]));
 }
 
 // Code of value `x` (m or v) in a block with absmax `absmax`; `zero` is the map's code of 0.
 // `keep_sign`: a nonzero x never gets the zero code ([Note: AdamW8bit kernel]).
-C10_HOST_DEVICE inline uint8_t quantize(const float* qmap, float x, float absmax, int zero,
-                                        bool keep_sign) {
+template <typename Floor>
+C10_HOST_DEVICE inline uint8_t quantize(const float* qmap, const Floor& floor_code, float x,
+                                        float absmax, int zero, bool keep_sign) {
   if (absmax == 0.0f) return static_cast<uint8_t>(zero);
-  int c = nearest_code(qmap, VR_DIV(x, absmax));
+  const float y = VR_DIV(x, absmax);
+  int c = nearest_from_floor(qmap, floor_code(y), y);
   if (keep_sign && c == zero && x != 0.0f) c += x > 0.0f ? 1 : -1;
   return static_cast<uint8_t>(c);
 }

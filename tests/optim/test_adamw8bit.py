@@ -93,11 +93,15 @@ def _random_state(n, bs, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,bs", [(1000, 256), (4096, 256), (777, 64), (5, 8), (0, 256)])
+@pytest.mark.parametrize("n,bs", [(1000, 256), (4096, 256), (777, 64), (5, 8), (0, 256),
+                                  (1 << 16, 64)])
 def test_kernel_matches_reference_bitwise(dtype, n, bs):
     gen = torch.Generator().manual_seed(n + bs)
     p = (torch.randn(n, generator=gen) * 0.1).to(dtype)
-    g = (torch.randn(n, generator=gen) * 0.01).to(dtype)
+    # gradients over 7 decades, so that m / absmax and v / absmax visit every part of the maps
+    # (and of the CPU kernel's bucket table, [Note: floor-code bucket table])
+    scale = 10 ** (-7 * torch.rand(n, generator=gen)) if dtype == torch.float32 else 0.01
+    g = (torch.randn(n, generator=gen) * scale).to(dtype)
     if n > 10:
         g[3], g[7], g[n - 1] = float("nan"), float("inf"), float("-inf")
         g[bs : 2 * bs] = 0  # a block with zero gradient: m decays toward 0, sign kept

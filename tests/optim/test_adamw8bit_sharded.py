@@ -140,9 +140,10 @@ def _check_layout():
     """An FSDP2-style Shard(0) DTensor whose rows do not align with the blocks is refused."""
     mesh = get_mesh()
     w = veragged.distribute_tensor(torch.randn(10, 30), mesh, [Shard(0)])  # 3 rows = 90
-    with pytest.raises(ValueError, match=r"rank 0 of mesh dim 0 holds 90 elements at flat "
-                                         r"offset 0, which is not a whole number of 32-element"):
-        AdamW8bit([nn.Parameter(w)], **KW)
+    with pytest.raises(ValueError, match=r"parameter w \(shape \[10, 30\], 300 elements\) is "
+                                         r"sharded so that rank 0 of mesh dim 0 holds 90 elements "
+                                         r"at flat offset 0, which is not a whole number of 32-"):
+        AdamW8bit([("w", nn.Parameter(w))], **KW)  # named parameters name the error
     ok = veragged.distribute_tensor(torch.randn(16, 32), mesh, [Shard(0)])  # 4 rows = 4 blocks
     opt = AdamW8bit([nn.Parameter(ok)], **KW)
     absmax = next(iter(opt.state.values()))["exp_avg_absmax"]

@@ -70,8 +70,8 @@ __global__ void adamw8bit_kernel(scalar_t* p, const scalar_t* g, uint8_t* mc, ui
           update_element(static_cast<float>(p[i]), static_cast<float>(g[i]),
                          __fmul_rn(qs[mc[i]], old_m_abs), __fmul_rn(qu[vc[i]], old_v_abs), s);
       if (u.ok) p[i] = static_cast<scalar_t>(u.p);
-      mc[i] = quantize(qs, u.m, new_m_abs, zs, /*keep_sign=*/true);
-      vc[i] = quantize(qu, u.v, new_v_abs, zu, /*keep_sign=*/false);
+      mc[i] = quantize(qs, SearchFloor{qs}, u.m, new_m_abs, zs, /*keep_sign=*/true);
+      vc[i] = quantize(qu, SearchFloor{qu}, u.v, new_v_abs, zu, /*keep_sign=*/false);
     }
     if (threadIdx.x == 0) {  // every thread read the old absmax before block_max's barriers
       m_abs[b] = new_m_abs;
