@@ -111,21 +111,25 @@ void step_blocks(scalar_t* p, const scalar_t* g, uint8_t* mc, uint8_t* vc, float
   const int64_t blocks = (n + bs - 1) / bs;
   const int64_t grain = std::max<int64_t>(1, kGrainElements / bs);
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<float> m(static_cast<size_t>(bs)), v(static_cast<size_t>(bs));
+    std::vector<float> scratch(static_cast<size_t>(2 * bs));
+    float* m = scratch.data();
+    float* v = m + bs;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = b * bs, len = std::min(bs, n - lo);
       const float old_m_abs = m_abs[b], old_v_abs = v_abs[b];
+      for (int64_t j = 0; j < len; ++j) {  // dequantise: table lookups
+        m[j] = qs[mc[lo + j]] * old_m_abs;
+        v[j] = qu[vc[lo + j]] * old_v_abs;
+      }
       float new_m_abs = 0.0f, new_v_abs = 0.0f;
-      for (int64_t j = 0; j < len; ++j) {
-        const int64_t i = lo + j;
-        const ElementUpdate u = update_element(
-            static_cast<float>(p[i]), static_cast<float>(g[i]), qs[mc[i]] * old_m_abs,
-            qu[vc[i]] * old_v_abs, s);
-        if (u.ok) p[i] = static_cast<scalar_t>(u.p);
+      for (int64_t j = 0; j < len; ++j) {  // the element math
+        const ElementUpdate u = update_element(static_cast<float>(p[lo + j]),
+                                               static_cast<float>(g[lo + j]), m[j], v[j], s);
+        p[lo + j] = static_cast<scalar_t>(u.p);  // u.p == p for a non-finite gradient
         m[j] = u.m;
         v[j] = u.v;
         new_m_abs = std::max(new_m_abs, std::fabs(u.m));
-        new_v_abs = std::max(new_v_abs, std::fabs(u.v));
+        new_v_abs = std::max(new_v_abs, u.v);  // v >= 0
       }
       for (int64_t j = 0; j < len; ++j) {
         mc[lo + j] = quantize(qs, fs, m[j], new_m_abs, zs, /*keep_sign=*/true);

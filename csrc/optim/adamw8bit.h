@@ -72,31 +72,31 @@ inline AdamW8bitScalars make_scalars(double lr, double beta1, double beta2, doub
 #define VR_SUB(a, b) __fsub_rn(a, b)
 #define VR_DIV(a, b) __fdiv_rn(a, b)
 #define VR_SQRT(a) __fsqrt_rn(a)
-#define VR_ISFINITE(a) isfinite(a)
+#define VR_ABS(a) fabsf(a)
 #else
 #define VR_MUL(a, b) ((a) * (b))
 #define VR_ADD(a, b) ((a) + (b))
 #define VR_SUB(a, b) ((a) - (b))
 #define VR_DIV(a, b) ((a) / (b))
 #define VR_SQRT(a) std::sqrt(a)
-#define VR_ISFINITE(a) std::isfinite(a)
+#define VR_ABS(a) std::fabs(a)
 #endif
 
-// The updated (p, m, v) of one element; `ok` is false for a non-finite gradient.
+// The updated (p, m, v) of one element; a non-finite gradient leaves p and zeroes m and v.
+// Branchless: both results are computed, then selected.
 struct ElementUpdate {
   float p, m, v;
-  bool ok;
 };
 
 C10_HOST_DEVICE inline ElementUpdate update_element(float p, float g, float m, float v,
                                                     const AdamW8bitScalars& s) {
-  if (!VR_ISFINITE(g)) return {p, 0.0f, 0.0f, false};
-  p = VR_MUL(p, s.decay);
-  m = VR_ADD(m, VR_MUL(s.one_minus_b1, VR_SUB(g, m)));
-  v = VR_ADD(VR_MUL(s.beta2, v), VR_MUL(s.one_minus_b2, VR_MUL(g, g)));
-  const float denom = VR_ADD(VR_DIV(VR_SQRT(v), s.bc2_sqrt), s.eps);
-  p = VR_ADD(p, VR_MUL(s.neg_step_size, VR_DIV(m, denom)));
-  return {p, m, v, true};
+  const bool ok = VR_ABS(g) <= 3.402823466e38f;  // finite: false for NaN and +-inf
+  const float pd = VR_MUL(p, s.decay);
+  const float mn = VR_ADD(m, VR_MUL(s.one_minus_b1, VR_SUB(g, m)));
+  const float vn = VR_ADD(VR_MUL(s.beta2, v), VR_MUL(s.one_minus_b2, VR_MUL(g, g)));
+  const float denom = VR_ADD(VR_DIV(VR_SQRT(vn), s.bc2_sqrt), s.eps);
+  const float pn = VR_ADD(pd, VR_MUL(s.neg_step_size, VR_DIV(mn, denom)));
+  return {ok ? pn : p, ok ? mn : 0.0f, ok ? vn : 0.0f};
 }
 
 // The last code whose value is <= x (0 if none): an 8-step binary search. Branchless: the

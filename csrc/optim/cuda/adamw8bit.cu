@@ -69,7 +69,7 @@ __global__ void adamw8bit_kernel(scalar_t* p, const scalar_t* g, uint8_t* mc, ui
       const ElementUpdate u =
           update_element(static_cast<float>(p[i]), static_cast<float>(g[i]),
                          __fmul_rn(qs[mc[i]], old_m_abs), __fmul_rn(qu[vc[i]], old_v_abs), s);
-      if (u.ok) p[i] = static_cast<scalar_t>(u.p);
+      p[i] = static_cast<scalar_t>(u.p);  // u.p == p[i] for a non-finite gradient
       mc[i] = quantize(qs, SearchFloor{qs}, u.m, new_m_abs, zs, /*keep_sign=*/true);
       vc[i] = quantize(qu, SearchFloor{qu}, u.v, new_v_abs, zu, /*keep_sign=*/false);
     }
