@@ -1,8 +1,9 @@
 // The one TORCH_LIBRARY(veragged, m): every schema of the extension, and the _C module stub.
 //
 // Schemas live here only. Ops with tensor arguments take their kernels from TORCH_LIBRARY_IMPL
-// blocks beside each implementation (CPU: dbuffer/group_ops.cpp, CUDA: dbuffer/cuda/group_ops.cu)
-// plus a fake kernel registered in Python (veragged/dbuffer/ops.py); host-side ops with no tensor
+// blocks beside each implementation (CPU: dbuffer/group_ops.cpp, CUDA: dbuffer/cuda/group_ops.cu;
+// optim/adamw8bit.cpp, optim/cuda/adamw8bit.cu) plus a fake kernel registered in Python
+// (veragged/dbuffer/ops.py, veragged/optim/kernels.py); host-side ops with no tensor
 // arguments bind their single kernel with the schema.
 
 #include <Python.h>
@@ -47,4 +48,11 @@ TORCH_LIBRARY(veragged, m) {
       "int world_size, str strategy, str cost, float alpha, int capacity, int ns_steps) "
       "-> (int[] owners, int[] group_offsets, int[] group_members, int[] loads, int capacity)",
       &veragged::plan_owners_op);
+  // Block-wise 8-bit AdamW: one fused step of one parameter shard, in place on the parameter,
+  // the uint8 codes and the per-block fp32 absmax of both moments ([Note: AdamW8bit kernel]).
+  m.def(
+      "adamw8bit_step_(Tensor(a!) param, Tensor grad, Tensor(b!) m_codes, Tensor(c!) v_codes, "
+      "Tensor(d!) m_absmax, Tensor(e!) v_absmax, Tensor qmap_signed, Tensor qmap_unsigned, "
+      "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
+      "int block_size) -> ()");
 }

@@ -1,0 +1,183 @@
+// Block-wise 8-bit AdamW: the checks and element math shared by the CPU (adamw8bit.cpp) and
+// CUDA (cuda/adamw8bit.cu) kernels of `veragged::adamw8bit_step_`.
+//
+// [Note: AdamW8bit kernel]
+// One fused call updates one parameter shard: a flat range of the parameter that starts on a
+// quantisation block boundary and holds whole blocks of `block_size` elements (the last one may
+// be partial: it is the tensor's last block). The moments are stored as one uint8 code per
+// element plus one fp32 absmax per block:
+//   m = qmap_signed[m_code] * m_absmax[block]      (signed dynamic map, 256 sorted values)
+//   v = qmap_unsigned[v_code] * v_absmax[block]    (unsigned dynamic map)
+// Per element, in fp32 and in torch AdamW's order (`torch.optim.AdamW(foreach=False)`):
+//   p = p * (1 - lr * wd)                               decoupled weight decay first
+//   m = m + (1 - b1) * (g - m)                          torch's lerp_(g, 1 - b1), weight < 0.5
+//   v = b2 * v + (1 - b2) * (g * g)
+//   p = p + (-lr / bc1) * (m / (sqrt(v) / sqrt(bc2) + eps)),   bc_i = 1 - b_i^step
+// The scalars (1 - lr*wd, 1 - b1, lr/bc1, sqrt(bc2)) are formed in double on the host, as torch
+// does in Python, and rounded to fp32 once. Then each block's new absmax is max|m| (max v),
+// and every element is requantised to the nearest code of m / absmax (v / absmax): an 8-step
+// binary search for the last code <= x, then the upper neighbour if strictly closer (ties go to
+// the lower code). A nonzero m keeps its sign: if the nearest code is 0 it moves to the
+// smallest code of m's sign, so momentum never flips or vanishes by rounding.
+//
+// NaN/Inf policy (as bitsandbytes): an element whose gradient is not finite is skipped: its
+// parameter is left untouched (no decay, no update) and its m and v are set to 0. The block's
+// absmax is taken over the other elements.
+//
+// Determinism: every operation is an explicit IEEE fp32 multiply, add, divide or sqrt, correctly
+// rounded, with no fused multiply-add (the CPU build has no -mfma; the CUDA kernel uses the _rn
+// intrinsics), and a block's absmax is a max, exact in any order. So CPU and CUDA give the same
+// bits, and a block's result depends only on that block: the state is identical for any
+// sharding that keeps blocks whole.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/macros/Macros.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace veragged::optim {
+
+constexpr int kQmapSize = 256;
+
+// Per-call scalars, rounded to fp32 once on the host.
+struct AdamW8bitScalars {
+  float decay;         // 1 - lr * weight_decay
+  float one_minus_b1;  // lerp weight
+  float beta2;
+  float one_minus_b2;
+  float neg_step_size;  // -lr / (1 - beta1^step)
+  float bc2_sqrt;       // sqrt(1 - beta2^step)
+  float eps;
+};
+
+inline AdamW8bitScalars make_scalars(double lr, double beta1, double beta2, double eps,
+                                     double weight_decay, int64_t step) {
+  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  return {static_cast<float>(1.0 - lr * weight_decay), static_cast<float>(1.0 - beta1),
+          static_cast<float>(beta2), static_cast<float>(1.0 - beta2),
+          static_cast<float>(-(lr / bc1)), static_cast<float>(std::sqrt(bc2)),
+          static_cast<float>(eps)};
+}
+
+// Arithmetic without contraction: plain operators on the CPU (compiled without FMA), the _rn
+// intrinsics in CUDA device code (nvcc would otherwise fuse a*b+c).
+#if defined(__CUDA_ARCH__)
+#define VR_MUL(a, b) __fmul_rn(a, b)
+#define VR_ADD(a, b) __fadd_rn(a, b)
+#define VR_SUB(a, b) __fsub_rn(a, b)
+#define VR_DIV(a, b) __fdiv_rn(a, b)
+#define VR_SQRT(a) __fsqrt_rn(a)
+#define VR_ABS(a) fabsf(a)
+#else
+#define VR_MUL(a, b) ((a) * (b))
+#define VR_ADD(a, b) ((a) + (b))
+#define VR_SUB(a, b) ((a) - (b))
+#define VR_DIV(a, b) ((a) / (b))
+#define VR_SQRT(a) std::sqrt(a)
+#define VR_ABS(a) std::fabs(a)
+#endif
+
+// The updated (p, m, v) of one element; a non-finite gradient leaves p and zeroes m and v.
+// Branchless: both results are computed, then selected.
+struct ElementUpdate {
+  float p, m, v;
+};
+
+C10_HOST_DEVICE inline ElementUpdate update_element(float p, float g, float m, float v,
+                                                    const AdamW8bitScalars& s) {
+  const bool ok = VR_ABS(g) <= 3.402823466e38f;  // finite: false for NaN and +-inf
+  const float pd = VR_MUL(p, s.decay);
+  const float mn = VR_ADD(m, VR_MUL(s.one_minus_b1, VR_SUB(g, m)));
+  const float vn = VR_ADD(VR_MUL(s.beta2, v), VR_MUL(s.one_minus_b2, VR_MUL(g, g)));
+  const float denom = VR_ADD(VR_DIV(VR_SQRT(vn), s.bc2_sqrt), s.eps);
+  const float pn = VR_ADD(pd, VR_MUL(s.neg_step_size, VR_DIV(mn, denom)));
+  return {ok ? pn : p, ok ? mn : 0.0f, ok ? vn : 0.0f};
+}
+
+// The last code whose value is <= x (0 if none): an 8-step binary search. Branchless: the
+// comparisons are data-dependent and would mispredict half the time. The CPU kernel finds the
+// same code faster through a bucket table (adamw8bit.cpp); every caller then rounds with
+// `nearest_from_floor`, so the codes do not depend on how the floor was found.
+struct SearchFloor {
+  const float* qmap;
+  C10_HOST_DEVICE int operator()(float x) const {
+    int lo = 0;
+    for (int step = kQmapSize / 2; step > 0; step >>= 1)
+      lo += step & -static_cast<int>(qmap[lo + step] <= x);  // lo + step <= 255 always
+    return lo;
+  }
+};
+
+// Nearest code of x given its floor code `lo` (ties: the lower code).
+C10_HOST_DEVICE inline int nearest_from_floor(const float* qmap, int lo, float x) {
+  const int hi = lo + (lo < kQmapSize - 1);
+  return lo + static_cast<int>(VR_SUB(qmap[hi], x) < VR_SUB(x, qmap[lo]));
+}
+
+// Code of value `x` (m or v) in a block with absmax `absmax`; `zero` is the map's code of 0.
+// `keep_sign`: a nonzero x never gets the zero code ([Note: AdamW8bit kernel]).
+template <typename Floor>
+C10_HOST_DEVICE inline uint8_t quantize(const float* qmap, const Floor& floor_code, float x,
+                                        float absmax, int zero, bool keep_sign) {
+  if (absmax == 0.0f) return static_cast<uint8_t>(zero);
+  const float y = VR_DIV(x, absmax);
+  int c = nearest_from_floor(qmap, floor_code(y), y);
+  if (keep_sign && c == zero && x != 0.0f) c += x > 0.0f ? 1 : -1;
+  return static_cast<uint8_t>(c);
+}
+
+inline void check_adamw8bit_args(const at::Tensor& param, const at::Tensor& grad,
+                                 const at::Tensor& m_codes, const at::Tensor& v_codes,
+                                 const at::Tensor& m_absmax, const at::Tensor& v_absmax,
+                                 const at::Tensor& qmap_signed, const at::Tensor& qmap_unsigned,
+                                 int64_t step, int64_t block_size) {
+  const char* op = "adamw8bit_step_";
+  TORCH_CHECK_VALUE(block_size > 0, op, ": block_size must be > 0, got ", block_size);
+  TORCH_CHECK_VALUE(step >= 1, op, ": step must be >= 1, got ", step);
+  const auto dt = param.scalar_type();
+  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op,
+                    ": param must be float32, bfloat16 or float16, got ", dt);
+  TORCH_CHECK_VALUE(grad.scalar_type() == dt, op, ": grad dtype ", grad.scalar_type(),
+                    " differs from param dtype ", dt);
+  const int64_t n = param.numel();
+  const int64_t blocks = (n + block_size - 1) / block_size;
+  struct Named {
+    const at::Tensor& t;
+    const char* name;
+    at::ScalarType dtype;
+    int64_t numel;
+  };
+  const Named all[] = {{param, "param", dt, n},
+                       {grad, "grad", dt, n},
+                       {m_codes, "m_codes", at::kByte, n},
+                       {v_codes, "v_codes", at::kByte, n},
+                       {m_absmax, "m_absmax", at::kFloat, blocks},
+                       {v_absmax, "v_absmax", at::kFloat, blocks},
+                       {qmap_signed, "qmap_signed", at::kFloat, kQmapSize},
+                       {qmap_unsigned, "qmap_unsigned", at::kFloat, kQmapSize}};
+  for (const Named& a : all) {
+    TORCH_CHECK_VALUE(a.t.scalar_type() == a.dtype, op, ": ", a.name, " must be ", a.dtype,
+                      ", got ", a.t.scalar_type());
+    TORCH_CHECK_VALUE(a.t.numel() == a.numel, op, ": ", a.name, " must have ", a.numel,
+                      " elements (param has ", n, ", block_size ", block_size, "), got ",
+                      a.t.numel());
+    TORCH_CHECK_VALUE(a.t.is_contiguous(), op, ": ", a.name, " must be contiguous");
+    TORCH_CHECK_VALUE(a.t.device() == param.device(), op, ": ", a.name, " is on ", a.t.device(),
+                      " but param is on ", param.device());
+  }
+}
+
+// The map's code of 0.0 (host side; the CUDA kernel finds it in shared memory).
+inline int zero_code(const float* qmap) {
+  for (int i = 0; i < kQmapSize; ++i)
+    if (qmap[i] == 0.0f) return i;
+  TORCH_CHECK_VALUE(false, "adamw8bit_step_: a quantisation map must contain 0.0");
+  return 0;
+}
+
+}  // namespace veragged::optim

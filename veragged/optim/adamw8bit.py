@@ -1,0 +1,352 @@
+"""`AdamW8bit`: block-wise 8-bit AdamW whose state is the same for any world size.
+
+[Note: AdamW8bit on RaggedShard]
+bitsandbytes and torchao quantise each rank's local shard in blocks of 256 elements counted from
+the shard's start, and decide 8-bit versus fp32 state from the shard's size, so the state (and
+the training run) changes with the world size. Here a parameter's quantisation blocks are
+defined on the *global* flattened tensor: block b is elements [b*block_size, (b+1)*block_size),
+the last block may be partial. A parameter whose global numel is >= `min_8bit_size` gets 8-bit
+state; each rank's shard must then hold whole blocks (start on a block boundary, end on one or
+at the tensor's end), which `veragged.fully_shard(..., granularity_fn=adamw8bit_granularity())`
+guarantees. Each rank then updates its blocks with no communication, and since the kernel's
+result for a block depends only on that block ([Note: AdamW8bit kernel]), codes, absmax and
+parameters are bitwise those of a single process.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import chain
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from veragged.optim.common import grad_mask, local, local_grads
+from veragged.optim.kernels import adamw8bit_step_, dynamic_map
+from veragged.placement.api import from_local
+from veragged.placement.layout import ragged_mesh_dim
+from veragged.placement.ragged_shard import RaggedShard, StridedRaggedShard
+
+__all__ = ["AdamW8bit", "adamw8bit_granularity"]
+
+_8BIT_KEYS = ("exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax", "exp_avg_sq_absmax")
+_FP32_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def adamw8bit_granularity(
+    block_size: int = 256, min_8bit_size: int = 4096
+) -> Callable[[str, nn.Parameter], int | None]:
+    """The `granularity_fn(fqn, param)` for `veragged.fully_shard` that never cuts a block.
+
+    Rule, on the parameter's global numel n (use the optimizer's `block_size` and
+    `min_8bit_size`):
+    - n < min_8bit_size (fp32 state, element-wise math): None, any cut is fine;
+    - n % block_size == 0: block_size;
+    - otherwise n: the whole tensor stays on one rank. A granularity must divide n, and every cut
+      at a multiple of a proper divisor g of n is a block boundary only if block_size divides g,
+      which then divides n: so no smaller granularity keeps the partial last block whole.
+    """
+    _check_int("block_size", block_size, 1)
+    _check_int("min_8bit_size", min_8bit_size, 0)
+
+    def granularity(fqn: str, param: nn.Parameter) -> int | None:
+        n = param.numel()
+        if n == 0 or n < min_8bit_size:
+            return None
+        return block_size if n % block_size == 0 else n
+
+    return granularity
+
+
+class AdamW8bit(torch.optim.Optimizer):
+    """AdamW with block-wise 8-bit moments, for plain tensors and sharded DTensor parameters.
+
+    Semantics are `torch.optim.AdamW(foreach=False)`'s, with decoupled weight decay applied first
+    (`p *= 1 - lr*wd`), then `m = lerp(m, g, 1-b1)`, `v = b2*v + (1-b2)*g*g` and
+    `p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)`, bc_i = 1 - b_i^step; the math is fp32 for
+    fp32, bf16 and fp16 parameters (gradients of the parameter's dtype).
+
+    A parameter whose global numel is >= `min_8bit_size` keeps m and v as uint8 codes (one per
+    element, signed dynamic map for m, unsigned for v) and one fp32 absmax per block of
+    `block_size` elements of the global flattened tensor: 2 + 8/block_size bytes per parameter
+    (2.03 for 256) instead of 8. Smaller parameters keep fp32 `exp_avg`/`exp_avg_sq` and are
+    updated with torch's own ops in torch's order, so fp32 ones match `torch.optim.AdamW`
+    bitwise. See [Note: AdamW8bit kernel] (csrc/optim/adamw8bit.h) for the quantisation and
+    [Note: AdamW8bit on RaggedShard] for why the state does not depend on the world size.
+
+    NaN/Inf: an element whose gradient is not finite is skipped by the 8-bit kernel (parameter
+    untouched, its m and v set to 0), as in bitsandbytes; fp32-state parameters follow torch
+    (non-finite values propagate).
+
+    Parameters may be plain tensors or DTensors whose local shard is one contiguous range of
+    the flattened tensor: a RaggedShard (e.g. from `veragged.fully_shard`; other mesh dims
+    Replicate), a `Shard(0)` (torch FSDP2) or Replicate. An 8-bit parameter's shard on every
+    rank must hold whole blocks, else the constructor raises ValueError naming the parameter,
+    the rank and its offset and size; shard with `granularity_fn=adamw8bit_granularity(...)`.
+
+    State, created for every parameter on every rank at construction: `step` (float32 scalar
+    tensor, as torch) and either `exp_avg`/`exp_avg_sq` (fp32) or `exp_avg_codes`/
+    `exp_avg_sq_codes` (uint8, shaped like the local shard) and `exp_avg_absmax`/
+    `exp_avg_sq_absmax` (fp32, one per local block). For DTensor parameters they are DTensors:
+    codes and fp32 moments with the parameter's placements, absmax 1-D of global shape
+    (num_blocks,) with `RaggedShard((0,), blocks_per_rank)` on the sharded mesh dim, so
+    `torch.distributed.checkpoint` saves them and reloads them on any world size. Gradients
+    missing on some ranks are agreed on first ([Note: symmetric grad presence]).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        block_size: int = 256,
+        min_8bit_size: int = 4096,
+    ):
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            block_size=block_size,
+            min_8bit_size=min_8bit_size,
+        )
+        _check_hyperparams(defaults)
+        self._qmaps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_hyperparams(group)
+        names = group.get("param_names")
+        index = len(self.param_groups) - 1
+        for i, p in enumerate(group["params"]):
+            name = names[i] if names else f"param_groups[{index}]['params'][{i}]"
+            self.state[p] = self._new_state(p, group, name)
+
+    def _new_state(self, p: torch.Tensor, group: dict, name: str) -> dict:
+        state = {"step": torch.tensor(0.0, dtype=torch.float32)}
+        loc = local(p)
+        if not _is_8bit(p, group):
+            for key in _FP32_KEYS:
+                state[key] = _like_param(p, torch.zeros(loc.shape, dtype=torch.float32,
+                                                        device=loc.device))
+            return state
+        bs = group["block_size"]
+        counts = _blocks_per_rank(p, bs, name)
+        zs, zu = (int((q == 0).nonzero()[0, 0]) for q in self._maps(loc.device))
+        blocks = math.ceil(loc.numel() / bs)
+        for key, zero in (("exp_avg", zs), ("exp_avg_sq", zu)):
+            codes = torch.full(loc.shape, zero, dtype=torch.uint8, device=loc.device)
+            absmax = torch.zeros(blocks, dtype=torch.float32, device=loc.device)
+            state[f"{key}_codes"] = _like_param(p, codes)
+            state[f"{key}_absmax"] = _absmax_like(p, absmax, counts)
+        return state
+
+    def _maps(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._qmaps:
+            self._qmaps[device] = (dynamic_map(True, device), dynamic_map(False, device))
+        return self._qmaps[device]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = [p for group in self.param_groups for p in group["params"]]
+        grads = iter(local_grads(params, grad_mask(params)))
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = next(grads)
+                if g is not None:
+                    self._step_param(p, g, group, self.state[p])
+        return loss
+
+    def _step_param(self, p: torch.Tensor, g: torch.Tensor, group: dict, state: dict) -> None:
+        if g.is_sparse:
+            raise ValueError("AdamW8bit does not support sparse gradients")
+        loc = local(p)
+        if g.shape != loc.shape:
+            g = g.reshape(loc.shape)
+        state["step"] += 1
+        step = state["step"].item()
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
+        if "exp_avg_codes" in state:
+            work = loc if loc.is_contiguous() else loc.contiguous()
+            qs, qu = self._maps(loc.device)
+            adamw8bit_step_(
+                work, g.contiguous(),
+                local(state["exp_avg_codes"]), local(state["exp_avg_sq_codes"]),
+                local(state["exp_avg_absmax"]), local(state["exp_avg_sq_absmax"]),
+                qs, qu, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
+                step=int(step), block_size=group["block_size"],
+            )
+        else:
+            # torch's _single_tensor_adam, op for op (so fp32 parameters match it bitwise).
+            work = loc if loc.dtype == torch.float32 else loc.float()
+            g = g.to(torch.float32)
+            exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
+            if wd != 0:
+                work.mul_(1 - lr * wd)
+            exp_avg.lerp_(g, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            bias_correction1 = 1 - beta1**step
+            bias_correction2 = 1 - beta2**step
+            denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+            work.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+        if work is not loc:
+            loc.copy_(work)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's `load_state_dict`, without its cast of every floating state tensor to the
+        parameter's dtype (which would turn uint8 codes into floats and round fp32 absmax and
+        moments to bf16). `block_size` and `min_8bit_size` must be those saved, and every
+        parameter's state must have its layout's keys and dtypes; ValueError otherwise."""
+        for i, (mine, saved) in enumerate(zip(self.param_groups, state_dict["param_groups"])):
+            for key in ("block_size", "min_8bit_size"):  # they fix the state's layout
+                if saved.get(key) != mine[key]:
+                    raise ValueError(
+                        f"AdamW8bit.load_state_dict: param group {i} was saved with "
+                        f"{key}={saved.get(key)!r} but this optimizer has {key}={mine[key]!r}"
+                    )
+        super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        groups = [(g, p) for g in self.param_groups for p in g["params"]]
+        for pid, (group, p) in zip(saved_ids, groups):
+            saved = state_dict["state"].get(pid)
+            if saved is None:
+                raise ValueError(
+                    f"AdamW8bit.load_state_dict: no state for parameter {pid}; AdamW8bit "
+                    "state dicts hold every parameter"
+                )
+            state = self.state[p]
+            keys = _8BIT_KEYS if _is_8bit(p, group) else _FP32_KEYS
+            missing = [k for k in keys if k not in saved]
+            if missing:
+                raise ValueError(
+                    f"AdamW8bit.load_state_dict: parameter {pid} (shape {list(p.shape)}) needs "
+                    f"state {missing} with block_size={group['block_size']}, "
+                    f"min_8bit_size={group['min_8bit_size']}; the saved state has {sorted(saved)}"
+                )
+            for key in keys:
+                value = saved[key].to(device=local(p).device)
+                want = torch.uint8 if key.endswith("_codes") else torch.float32
+                if value.dtype != want:
+                    raise ValueError(
+                        f"AdamW8bit.load_state_dict: parameter {pid} state {key!r} must be "
+                        f"{want}, got {value.dtype}"
+                    )
+                state[key] = value
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"AdamW8bit: {name} must be an int >= {low}, got {value!r}")
+
+
+def _check_hyperparams(group: dict) -> None:
+    lr, eps, wd, betas = group["lr"], group["eps"], group["weight_decay"], group["betas"]
+    if isinstance(lr, torch.Tensor):
+        raise ValueError("AdamW8bit: lr must be a float, got a Tensor")
+    if not 0.0 <= lr:
+        raise ValueError(f"AdamW8bit: lr must be >= 0, got {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"AdamW8bit: eps must be >= 0, got {eps}")
+    if not 0.0 <= wd:
+        raise ValueError(f"AdamW8bit: weight_decay must be >= 0, got {wd}")
+    if len(betas) != 2:
+        raise ValueError(f"AdamW8bit: betas must be a pair, got {betas!r}")
+    for i, b in enumerate(betas):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"AdamW8bit: betas[{i}] must be in [0, 1), got {b}")
+    _check_int("block_size", group["block_size"], 1)
+    _check_int("min_8bit_size", group["min_8bit_size"], 0)
+
+
+def _is_8bit(p: torch.Tensor, group: dict) -> bool:
+    n = p.numel()  # a DTensor's numel is the global one
+    return n > 0 and n >= group["min_8bit_size"]
+
+
+def _shard_dim(p: DTensor) -> int | None:
+    """The mesh dim that splits `p` into contiguous flat ranges (None: replicated everywhere);
+    ValueError for placements whose local shard is not one flat range."""
+    placements = tuple(p.placements)
+    i = ragged_mesh_dim(placements)
+    if i is None:
+        sharded = [j for j, q in enumerate(placements) if not isinstance(q, Replicate)]
+        if not sharded:
+            return None
+        i = sharded[0]
+    ok = isinstance(placements[i], Shard) and placements[i].dim == 0
+    ok = ok or (type(placements[i]) is RaggedShard)
+    others = all(isinstance(q, Replicate) for j, q in enumerate(placements) if j != i)
+    if not (ok and others) or isinstance(placements[i], StridedRaggedShard):
+        raise ValueError(
+            f"AdamW8bit: placements {placements} are not supported for 8-bit state: the local "
+            "shard must be one contiguous range of the flattened tensor (RaggedShard or "
+            "Shard(0) on one mesh dim, Replicate elsewhere)"
+        )
+    return i
+
+
+def _ranges(p: DTensor, dim: int) -> list[tuple[int, int]]:
+    """(flat offset, numel) of every rank's shard along mesh dim `dim`."""
+    placement, ranks = p.placements[dim], p.device_mesh.size(dim)
+    shape = tuple(p.shape)
+    if isinstance(placement, RaggedShard):
+        return [placement.local_numel_and_offset(shape, r)[::-1] for r in range(ranks)]
+    row = math.prod(shape[1:])
+    out = []
+    for r in range(ranks):
+        rows, start = Shard.local_shard_size_and_offset(shape[0], ranks, r)
+        out.append((start * row, rows * row))
+    return out
+
+
+def _blocks_per_rank(p: torch.Tensor, bs: int, name: str) -> tuple[int, ...] | None:
+    """Blocks each rank along the sharded mesh dim holds, after checking every rank's shard
+    holds whole blocks; None when `p` is not sharded."""
+    if not isinstance(p, DTensor):
+        return None
+    dim = _shard_dim(p)
+    if dim is None:
+        return None
+    n = p.numel()
+    for rank, (offset, size) in enumerate(_ranges(p, dim)):
+        if size and (offset % bs or (size % bs and offset + size != n)):
+            raise ValueError(
+                f"AdamW8bit: parameter {name} (shape {list(p.shape)}, {n} elements) is sharded "
+                f"so that rank {rank} of mesh dim {dim} holds {size} elements at flat offset "
+                f"{offset}, which is not a whole number of {bs}-element quantisation blocks. "
+                f"Shard with veragged.fully_shard(..., granularity_fn=adamw8bit_granularity("
+                f"{bs})), or raise min_8bit_size above {n} to keep this parameter in fp32."
+            )
+    return tuple(math.ceil(size / bs) for _, size in _ranges(p, dim))
+
+
+def _like_param(p: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+    """`loc` (this rank's part, shaped like p's local shard) as a tensor placed like `p`."""
+    if not isinstance(p, DTensor):
+        return loc
+    return from_local(loc, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                      run_check=False)
+
+
+def _absmax_like(p: torch.Tensor, loc: torch.Tensor, counts: tuple[int, ...] | None):
+    """This rank's absmax as a 1-D tensor of all of `p`'s blocks, sharded like `p`'s blocks."""
+    if not isinstance(p, DTensor):
+        return loc
+    blocks = sum(counts) if counts is not None else loc.numel()
+    placements = [Replicate()] * p.device_mesh.ndim
+    if counts is not None:
+        placements[_shard_dim(p)] = RaggedShard((0,), counts)
+    return from_local(loc, p.device_mesh, placements, shape=(blocks,), stride=(1,),
+                      run_check=False)
