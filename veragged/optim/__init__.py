@@ -1,6 +1,7 @@
 """Optimizers on RaggedShard parameters: distributed Muon and block-wise 8-bit AdamW."""
 
+from veragged.optim.adamw8bit import AdamW8bit, adamw8bit_granularity
 from veragged.optim.muon import Muon
 from veragged.optim.owners import OwnerPlan, plan_owners
 
-__all__ = ["Muon", "OwnerPlan", "plan_owners"]
+__all__ = ["AdamW8bit", "Muon", "OwnerPlan", "adamw8bit_granularity", "plan_owners"]
