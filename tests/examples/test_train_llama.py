@@ -45,3 +45,9 @@ def test_trains_saves_and_resumes(tmp_path):
     assert (ckpt / ".metadata").exists()
     second = _run(ckpt, 5, "--bf16")
     assert "resumed from" in second and "at step 3" in second and "step     5  loss" in second
+
+
+def test_trains_with_adamw8bit_and_torch_adamw(tmp_path):
+    for optim in ("adamw8bit", "adamw"):
+        out = _run(tmp_path / optim, 2, "--optim", optim)
+        assert "step     2  loss" in out and "saved" in out
