@@ -24,7 +24,7 @@ import torch.distributed as dist
 import veragged
 from veragged.testing import get_mesh, run_on_ranks
 from veragged.testing.grads import set_grads
-from veragged.testing.llama import Llama, LlamaConfig
+from veragged.testing.llama import Llama, LlamaConfig, muon_param_groups
 
 WORLD = 4
 SIZES = {"small": (256, 4), "medium": (512, 4)}
@@ -43,12 +43,7 @@ def _worker(mode, dim, layers, steps):
     for block in model.blocks:
         veragged.fully_shard(block, mesh=get_mesh())
     veragged.fully_shard(model, mesh=get_mesh())
-    named = dict(model.named_parameters())
-    emb = [p for n, p in named.items() if "embed" in n or "head" in n]
-    rest = [p for p in named.values() if not any(p is q for q in emb)]
-    opt = veragged.optim.Muon(
-        [{"params": emb, "use_muon": False}, {"params": rest}], lr=0.02, **MODES[mode]
-    )
+    opt = veragged.optim.Muon(muon_param_groups(model), lr=0.02, **MODES[mode])
     params = list(model.parameters())
     times = []
     for step in range(steps + 2):
@@ -65,7 +60,7 @@ def _worker(mode, dim, layers, steps):
         "step_s": statistics.median(times),
         "groups": len(plan.groups) if plan else 0,
         "ratio": plan.ratio if plan else 1.0,
-        "matrices": sum(1 for p in rest if p.ndim == 2),
+        "matrices": len(plan.owners) if plan else 0,
     }
 
 

@@ -12,7 +12,7 @@ import veragged
 from veragged.optim import Muon
 from veragged.testing import get_mesh, run_on_ranks
 from veragged.testing.grads import set_grads
-from veragged.testing.llama import Llama, LlamaConfig
+from veragged.testing.llama import Llama, LlamaConfig, muon_param_groups
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, hidden=86, max_seq=9)
 
@@ -23,10 +23,7 @@ def _setup():
     for block in model.blocks:
         veragged.fully_shard(block, mesh=get_mesh())
     veragged.fully_shard(model, mesh=get_mesh())
-    named = dict(model.named_parameters())
-    emb = [p for n, p in named.items() if "embed" in n or "head" in n]
-    rest = [p for p in named.values() if not any(p is q for q in emb)]
-    opt = Muon([{"params": emb, "use_muon": False}, {"params": rest}], lr=0.02)
+    opt = Muon(muon_param_groups(model), lr=0.02)
     return model, opt
 
 

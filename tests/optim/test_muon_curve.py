@@ -3,7 +3,7 @@
 import torch
 
 import veragged
-from veragged.testing.llama import Llama, LlamaConfig
+from veragged.testing.llama import Llama, LlamaConfig, muon_param_groups
 
 CFG = LlamaConfig(vocab=64, dim=64, layers=2, heads=4, hidden=172, max_seq=33)
 STEPS, BATCH, SEQ = 60, 16, 33
@@ -37,11 +37,7 @@ def _final_loss(make_optimizer):
 
 
 def _muon(model):
-    named = dict(model.named_parameters())
-    emb = [p for n, p in named.items() if "embed" in n or "head" in n]
-    rest = [p for p in named.values() if not any(p is q for q in emb)]
-    groups = [{"params": emb, "use_muon": False, "lr": 3e-3}, {"params": rest}]
-    return veragged.optim.Muon(groups, lr=0.02, weight_decay=0.0)
+    return veragged.optim.Muon(muon_param_groups(model, 3e-3), lr=0.02, weight_decay=0.0)
 
 
 def test_muon_below_tuned_adamw():

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 import veragged
 from veragged.testing import get_mesh, run_on_ranks
 from veragged.testing.grads import set_grads
-from veragged.testing.llama import Llama, LlamaConfig
+from veragged.testing.llama import Llama, LlamaConfig, muon_param_groups
 
 LONG = os.environ.get("VERAGGED_STRESS", "0") == "1"
 STEPS, SAMPLE = (1000, 100) if LONG else (24, 8)
@@ -43,12 +43,8 @@ def presence(step: int):
 
 
 def _optimizer(name, model):
-    named = dict(model.named_parameters())
     if name == "muon":
-        emb = [p for n, p in named.items() if "embed" in n or "head" in n]
-        rest = [p for p in named.values() if not any(p is q for q in emb)]
-        groups = [{"params": emb, "use_muon": False}, {"params": rest}]
-        return veragged.optim.Muon(groups, lr=0.02, weight_decay=0.1)
+        return veragged.optim.Muon(muon_param_groups(model), lr=0.02, weight_decay=0.1)
     return veragged.optim.AdamW8bit(model.parameters(), lr=1e-3, weight_decay=0.1)
 
 

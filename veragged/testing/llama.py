@@ -91,3 +91,15 @@ class Llama(nn.Module):
         return F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
         )
+
+
+def muon_param_groups(model: nn.Module, adamw_lr: float | None = None) -> list[dict]:
+    """Param groups for veragged.optim.Muon: the embedding and the output head on AdamW (with
+    `adamw_lr` if given), every other parameter by shape (matrices Muon, vectors AdamW)."""
+    named = dict(model.named_parameters())
+    emb = [p for n, p in named.items() if "embed" in n or "head" in n]
+    rest = [p for p in named.values() if all(p is not q for q in emb)]
+    adamw = {"params": emb, "use_muon": False}
+    if adamw_lr is not None:
+        adamw["lr"] = adamw_lr
+    return [adamw, {"params": rest}]
