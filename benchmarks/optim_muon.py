@@ -72,10 +72,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     sizes, steps = (QUICK_SIZES, 2) if args.quick else (SIZES, args.steps)
     out = sys.stderr if args.json else sys.stdout
-    print(f"{'model':7} {'mode':11} {'step ms':>8} {'vs repl':>8} {'groups':>7} {'max/mean':>9}", file=out)
+    header = f"{'model':7} {'mode':11} {'step ms':>8} {'vs repl':>8} {'groups':>7} {'max/mean':>9}"
+    print(header, file=out)
     rows = {}
     for name, (dim, layers) in sizes.items():
-        rows[name] = {m: run_on_ranks(_worker, WORLD, args=(m, dim, layers, steps), timeout=600)[0] for m in MODES}
+        rows[name] = {
+            m: run_on_ranks(_worker, WORLD, args=(m, dim, layers, steps), timeout=600)[0]
+            for m in MODES
+        }
         base = rows[name]["replicated"]["step_s"]
         for m, r in rows[name].items():
             r["vs_replicated"] = r["step_s"] / base
@@ -84,7 +88,8 @@ def main(argv=None):
                 f"{r['groups']:7d} {r['ratio']:9.3f}",
                 file=out,
             )
-    print(json.dumps({"benchmark": "optim_muon", "world_size": WORLD, "steps": steps, "models": rows}))
+    summary = {"benchmark": "optim_muon", "world_size": WORLD, "steps": steps, "models": rows}
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

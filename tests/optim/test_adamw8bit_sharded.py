@@ -6,7 +6,6 @@ from a seed and each rank keeps its shard of it (a real backward would sum the r
 gradients in a world-size dependent order and so differ in the last bits).
 """
 
-import math
 
 import pytest
 import torch

@@ -3,7 +3,6 @@ fully_shard and torch fully_shard parameters, gloo) against a single process, bi
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import veragged
@@ -17,8 +16,8 @@ CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, hidden=86, max_seq=9)
 
 def test_matches_torch_muon_and_adamw_in_one_process():
     torch.manual_seed(0)
-    shapes = [(32, 16), (16, 48), (7, 5)]
-    ours_p = [torch.nn.Parameter(torch.randn(s)) for s in shapes] + [torch.nn.Parameter(torch.randn(5))]
+    shapes = [(32, 16), (16, 48), (7, 5), (5,)]  # tall, wide, tiny; a vector for AdamW
+    ours_p = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     ref_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
     ours = Muon(
         [{"params": ours_p[:3]}, {"params": ours_p[3:], "lr": 1e-2}],

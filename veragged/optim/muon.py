@@ -227,7 +227,7 @@ class Muon(Optimizer):
         return loss
 
     def _momentum(self, p: torch.Tensor, g: torch.Tensor, group: dict) -> torch.Tensor:
-        """Momentum and weight decay on the local shard; returns the local update to orthogonalise."""
+        """Momentum and weight decay on the local shard; returns the update to orthogonalise."""
         mu = group["momentum"]
         buf = local(self.state[p]["momentum_buffer"])
         buf.lerp_(g, 1 - mu)

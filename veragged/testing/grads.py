@@ -16,7 +16,7 @@ __all__ = ["rank_bounds", "set_grads"]
 
 
 def rank_bounds(p: torch.Tensor) -> list[tuple[int, int]]:
-    """Every rank's flat element interval of `p` on a 1-D mesh (the whole tensor for a plain one)."""
+    """Every rank's flat element interval of `p` on a 1-D mesh (plain tensors: the whole)."""
     if not isinstance(p, DTensor):
         return [(0, p.numel())]
     (pl,) = p.placements
