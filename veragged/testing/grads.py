@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from veragged.placement.collectives import shard0_bounds
@@ -15,12 +14,20 @@ from veragged.placement.ragged_shard import RaggedShard
 __all__ = ["rank_bounds", "set_grads"]
 
 
+def _shard_dim(p: DTensor) -> int | None:
+    dims = [d for d, pl in enumerate(p.placements) if not pl.is_replicate()]
+    if len(dims) > 1:
+        raise ValueError(f"one sharded mesh dim expected, got placements {p.placements}")
+    return dims[0] if dims else None
+
+
 def rank_bounds(p: torch.Tensor) -> list[tuple[int, int]]:
-    """Every rank's flat element interval of `p` on a 1-D mesh (plain tensors: the whole)."""
-    if not isinstance(p, DTensor):
+    """Per index along `p`'s sharded mesh dim, its flat element interval of `p` (one interval,
+    the whole tensor, for plain and replicated tensors). Replicas (HSDP) share the intervals."""
+    d = _shard_dim(p) if isinstance(p, DTensor) else None
+    if d is None:
         return [(0, p.numel())]
-    (pl,) = p.placements
-    world = p.device_mesh.size()
+    pl, world = p.placements[d], p.device_mesh.size(d)
     if isinstance(pl, RaggedShard):
         out = []
         for r in range(world):
@@ -30,7 +37,7 @@ def rank_bounds(p: torch.Tensor) -> list[tuple[int, int]]:
     if isinstance(pl, Shard) and pl.dim == 0:
         b = shard0_bounds(p.shape[0], p.numel() // max(p.shape[0], 1), world)
         return [(b[r], b[r + 1]) for r in range(world)]
-    return [(0, p.numel())] * world  # Replicate
+    raise ValueError(f"unsupported placement {pl} for synthetic gradients")
 
 
 def set_grads(
@@ -43,11 +50,11 @@ def set_grads(
     """Give every parameter its shard of a seeded full gradient, or `grad=None` on the ranks
     where `present(param_index, rank)` is False.
 
+    `rank` is the index along the parameter's sharded mesh dim (replicas get the same gradient).
     Returns the reference full gradients a single process would see: the full gradient with the
     absent ranks' intervals zeroed, or None where no rank has one ([Note: symmetric grad
     presence]). The full gradients depend only on `(seed, step)`, not on the world size.
     """
-    rank = dist.get_rank() if dist.is_initialized() else 0
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     refs: list[torch.Tensor | None] = []
     for i, p in enumerate(params):
@@ -55,6 +62,8 @@ def set_grads(
         bounds = rank_bounds(p)
         have = [present(i, r) for r in range(len(bounds))]
         if isinstance(p, DTensor):
+            d = _shard_dim(p)
+            rank = 0 if d is None else p.device_mesh.get_coordinate()[d]
             b, e = bounds[rank]
             if have[rank]:
                 local = full.reshape(-1)[b:e].clone().view(p._local_tensor.shape)
