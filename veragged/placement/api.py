@@ -106,14 +106,11 @@ def from_local(
     """
     mesh = _mesh(device_mesh)
     if placements is None or ragged_mesh_dim(placements) is None:
+        # torch 2.11's DTensor.from_local has no grad_placements: pass it only when given.
+        extra = {} if grad_placements is None else {"grad_placements": grad_placements}
         return DTensor.from_local(
-            local_tensor,
-            mesh,
-            placements,
-            run_check=run_check,
-            shape=shape,
-            stride=stride,
-            grad_placements=grad_placements,
+            local_tensor, mesh, placements, run_check=run_check, shape=shape, stride=stride,
+            **extra,
         )
     if isinstance(local_tensor, DTensor):
         raise ValueError(f"from_local expects a torch.Tensor, got {type(local_tensor).__name__}")
