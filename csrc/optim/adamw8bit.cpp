@@ -103,6 +103,8 @@ std::shared_ptr<const FloorTable> floor_table(const float* qmap) {
   return cache.back();
 }
 
+constexpr int kLanes = 8;
+
 template <typename scalar_t>
 void step_blocks(scalar_t* p, const scalar_t* g, uint8_t* mc, uint8_t* vc, float* m_abs,
                  float* v_abs, const float* qs, const float* qu, const FloorTable& fs,
@@ -111,9 +113,11 @@ void step_blocks(scalar_t* p, const scalar_t* g, uint8_t* mc, uint8_t* vc, float
   const int64_t blocks = (n + bs - 1) / bs;
   const int64_t grain = std::max<int64_t>(1, kGrainElements / bs);
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<float> scratch(static_cast<size_t>(2 * bs));
+    std::vector<float> scratch(static_cast<size_t>(4 * bs));
     float* m = scratch.data();
     float* v = m + bs;
+    float* ym = v + bs;  // m and v divided by the block's new absmax
+    float* yv = ym + bs;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = b * bs, len = std::min(bs, n - lo);
       const float old_m_abs = m_abs[b], old_v_abs = v_abs[b];
@@ -121,19 +125,36 @@ void step_blocks(scalar_t* p, const scalar_t* g, uint8_t* mc, uint8_t* vc, float
         m[j] = qs[mc[lo + j]] * old_m_abs;
         v[j] = qu[vc[lo + j]] * old_v_abs;
       }
-      float new_m_abs = 0.0f, new_v_abs = 0.0f;
-      for (int64_t j = 0; j < len; ++j) {  // the element math
+      for (int64_t j = 0; j < len; ++j) {  // the element math (vectorised: no lookups)
         const ElementUpdate u = update_element(static_cast<float>(p[lo + j]),
                                                static_cast<float>(g[lo + j]), m[j], v[j], s);
         p[lo + j] = static_cast<scalar_t>(u.p);  // u.p == p for a non-finite gradient
         m[j] = u.m;
         v[j] = u.v;
-        new_m_abs = std::max(new_m_abs, std::fabs(u.m));
-        new_v_abs = std::max(new_v_abs, u.v);  // v >= 0
+      }
+      // Block absmax in kLanes independent lanes (vectorisable; a max of finite values is
+      // exact in any order, so the result is the sequential one).
+      float lane_m[kLanes] = {}, lane_v[kLanes] = {};
+      for (int64_t j = 0; j < len; ++j) {
+        const float am = std::fabs(m[j]);
+        lane_m[j % kLanes] = lane_m[j % kLanes] < am ? am : lane_m[j % kLanes];
+        lane_v[j % kLanes] = lane_v[j % kLanes] < v[j] ? v[j] : lane_v[j % kLanes];  // v >= 0
+      }
+      float new_m_abs = 0.0f, new_v_abs = 0.0f;
+      for (int k = 0; k < kLanes; ++k) {
+        new_m_abs = std::max(new_m_abs, lane_m[k]);
+        new_v_abs = std::max(new_v_abs, lane_v[k]);
+      }
+      // Scale into the maps' [-1, 1] range (divisions, vectorised), then look the codes up.
+      const float dm = new_m_abs == 0.0f ? 1.0f : new_m_abs;
+      const float dv = new_v_abs == 0.0f ? 1.0f : new_v_abs;
+      for (int64_t j = 0; j < len; ++j) {
+        ym[j] = m[j] / dm;
+        yv[j] = v[j] / dv;
       }
       for (int64_t j = 0; j < len; ++j) {
-        mc[lo + j] = quantize(qs, fs, m[j], new_m_abs, zs, /*keep_sign=*/true);
-        vc[lo + j] = quantize(qu, fu, v[j], new_v_abs, zu, /*keep_sign=*/false);
+        mc[lo + j] = quantize_scaled(qs, fs, ym[j], m[j], new_m_abs, zs, /*keep_sign=*/true);
+        vc[lo + j] = quantize_scaled(qu, fu, yv[j], v[j], new_v_abs, zu, /*keep_sign=*/false);
       }
       m_abs[b] = new_m_abs;
       v_abs[b] = new_v_abs;

@@ -119,16 +119,23 @@ C10_HOST_DEVICE inline int nearest_from_floor(const float* qmap, int lo, float x
   return lo + static_cast<int>(VR_SUB(qmap[hi], x) < VR_SUB(x, qmap[lo]));
 }
 
-// Code of value `x` (m or v) in a block with absmax `absmax`; `zero` is the map's code of 0.
-// `keep_sign`: a nonzero x never gets the zero code ([Note: AdamW8bit kernel]).
+// Code of value `x` (m or v) in a block with absmax `absmax`, given y = x / absmax (any value
+// when absmax is 0); `zero` is the map's code of 0. `keep_sign`: a nonzero x never gets the
+// zero code ([Note: AdamW8bit kernel]).
 template <typename Floor>
-C10_HOST_DEVICE inline uint8_t quantize(const float* qmap, const Floor& floor_code, float x,
-                                        float absmax, int zero, bool keep_sign) {
+C10_HOST_DEVICE inline uint8_t quantize_scaled(const float* qmap, const Floor& floor_code, float y,
+                                               float x, float absmax, int zero, bool keep_sign) {
   if (absmax == 0.0f) return static_cast<uint8_t>(zero);
-  const float y = VR_DIV(x, absmax);
   int c = nearest_from_floor(qmap, floor_code(y), y);
   if (keep_sign && c == zero && x != 0.0f) c += x > 0.0f ? 1 : -1;
   return static_cast<uint8_t>(c);
+}
+
+template <typename Floor>
+C10_HOST_DEVICE inline uint8_t quantize(const float* qmap, const Floor& floor_code, float x,
+                                        float absmax, int zero, bool keep_sign) {
+  const float y = absmax == 0.0f ? 0.0f : VR_DIV(x, absmax);
+  return quantize_scaled(qmap, floor_code, y, x, absmax, zero, keep_sign);
 }
 
 inline void check_adamw8bit_args(const at::Tensor& param, const at::Tensor& grad,
