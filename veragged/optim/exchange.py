@@ -50,8 +50,8 @@ class MatrixLayout:
 
 
 def matrix_layout(p: torch.Tensor) -> MatrixLayout:
-    """The layout of parameter `p` (a plain tensor, or a DTensor sharded on one mesh dim by
-    RaggedShard or Shard(0)); NotImplementedError naming the placements otherwise."""
+    """The flat-interval layout of `p` (any shape: a plain tensor, or a DTensor sharded on one
+    mesh dim by RaggedShard or Shard(0)); NotImplementedError naming the placements otherwise."""
     if not isinstance(p, DTensor):
         return MatrixLayout(None, (0, p.numel()), 0)
     placements, mesh = p.placements, p.device_mesh
@@ -69,7 +69,7 @@ def matrix_layout(p: torch.Tensor) -> MatrixLayout:
     if isinstance(pl, RaggedShard):
         bounds = ragged_layout(p.shape, mesh, placements).bounds
     else:
-        bounds = shard0_bounds(p.shape[0], p.shape[1], mesh.size(i))
+        bounds = shard0_bounds(p.shape[0], p.numel() // max(p.shape[0], 1), mesh.size(i))
     return MatrixLayout(mesh.get_group(i), tuple(bounds), mesh.get_coordinate()[i])
 
 

@@ -6,38 +6,21 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from veragged.placement.collectives import shard0_bounds
-from veragged.placement.ragged_shard import RaggedShard
+from veragged.optim.exchange import matrix_layout
 
 __all__ = ["rank_bounds", "set_grads"]
-
-
-def _shard_dim(p: DTensor) -> int | None:
-    dims = [d for d, pl in enumerate(p.placements) if not pl.is_replicate()]
-    if len(dims) > 1:
-        raise ValueError(f"one sharded mesh dim expected, got placements {p.placements}")
-    return dims[0] if dims else None
 
 
 def rank_bounds(p: torch.Tensor) -> list[tuple[int, int]]:
     """Per index along `p`'s sharded mesh dim, its flat element interval of `p` (one interval,
     the whole tensor, for plain and replicated tensors). Replicas (HSDP) share the intervals."""
-    d = _shard_dim(p) if isinstance(p, DTensor) else None
-    if d is None:
-        return [(0, p.numel())]
-    pl, world = p.placements[d], p.device_mesh.size(d)
-    if isinstance(pl, RaggedShard):
-        out = []
-        for r in range(world):
-            n, off = pl.local_numel_and_offset(p.shape, r)
-            out.append((off, off + n))
-        return out
-    if isinstance(pl, Shard) and pl.dim == 0:
-        b = shard0_bounds(p.shape[0], p.numel() // max(p.shape[0], 1), world)
-        return [(b[r], b[r + 1]) for r in range(world)]
-    raise ValueError(f"unsupported placement {pl} for synthetic gradients")
+    return _intervals(matrix_layout(p).bounds)
+
+
+def _intervals(b: Sequence[int]) -> list[tuple[int, int]]:
+    return [(b[r], b[r + 1]) for r in range(len(b) - 1)]
 
 
 def set_grads(
@@ -59,13 +42,12 @@ def set_grads(
     refs: list[torch.Tensor | None] = []
     for i, p in enumerate(params):
         full = torch.randn(p.shape, generator=gen, dtype=p.dtype)
-        bounds = rank_bounds(p)
+        layout = matrix_layout(p)
+        bounds = _intervals(layout.bounds)
         have = [present(i, r) for r in range(len(bounds))]
         if isinstance(p, DTensor):
-            d = _shard_dim(p)
-            rank = 0 if d is None else p.device_mesh.get_coordinate()[d]
-            b, e = bounds[rank]
-            if have[rank]:
+            b, e = bounds[layout.rank]
+            if have[layout.rank]:
                 local = full.reshape(-1)[b:e].clone().view(p._local_tensor.shape)
                 p.grad = type(p).from_local(  # DTensor or veragged's RaggedDTensor
                     local, p.device_mesh, p.placements, run_check=False,
