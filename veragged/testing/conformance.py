@@ -1,0 +1,257 @@
+"""Run torch's FSDP2 unit tests, ported to CPU/gloo, against torch's and veragged's fully_shard.
+
+A ported test file imports `fully_shard`, `device_type` and `FSDPTest` from here instead of
+torch (everything else stays torch's) and ends with `instantiate_conformance_tests(globals())`:
+
+    from veragged.testing.conformance import FSDPTest, fully_shard, instantiate_conformance_tests
+
+    class TestFoo(FSDPTest):
+        @property
+        def world_size(self) -> int:
+            return 2
+
+        def test_bar(self):                      # runs on every rank of a persistent pool
+            model = nn.Linear(4, 4)
+            fully_shard(model)                   # torch's or veragged's, per class
+            ...
+
+    instantiate_conformance_tests(globals())     # -> TestFoo_torch, TestFoo_veragged
+
+When pytest/unittest calls `TestFoo_veragged("test_bar").test_bar()` in the driver process, the
+call is shipped to `get_pool(self.world_size)` (veragged.testing.pool) as (file, module, class,
+method, impl); each rank imports the test module from its file, selects the implementation,
+seeds as torch's FSDPTest does (`set_rng_seed()`), calls the port's own `setUp`/`tearDown` if it
+defines them, and runs the original method body. A port's `setUp`/`tearDown` only run on the
+ranks, never in the driver. `unittest.SkipTest` raised on a rank skips the test.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import os
+import sys
+import unittest
+from enum import Enum, auto
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal import common_fsdp
+from torch.testing._internal.common_utils import TestCase, set_rng_seed
+
+from veragged.testing.pool import get_pool
+
+__all__ = ["IMPLS", "DEFAULT_TIMEOUT_S", "FSDPTest", "compiled_fsdp_test", "device_type",
+           "fully_shard", "impl_name", "instantiate_conformance_tests", "torch_only"]
+
+IMPLS = ("torch", "veragged")
+DEFAULT_TIMEOUT_S = 120.0
+device_type = "cpu"
+
+_IMPL = "torch"  # implementation under test in this (rank) process; set by _run_test
+_IN_RANK = False  # True while a rank runs a shipped test body
+
+
+def impl_name() -> str:
+    """The implementation under test in this process: "torch" or "veragged"."""
+    return _IMPL
+
+
+def _impl_fully_shard() -> Callable[..., Any]:
+    if _IMPL == "torch":
+        from torch.distributed.fsdp import fully_shard as impl
+    else:
+        from veragged import fully_shard as impl
+    return impl
+
+
+def fully_shard(*args: Any, **kwargs: Any) -> Any:
+    """`torch.distributed.fsdp.fully_shard` or `veragged.fully_shard`, per `impl_name()`."""
+    return _impl_fully_shard()(*args, **kwargs)
+
+
+def compiled_fsdp_test(compile_compute_on_module: Optional[type] = None):
+    """torch's `common_fsdp.compiled_fsdp_test`, patching this module's dispatching
+    `fully_shard` instead of torch's (torch's would replace the port's `fully_shard` global by
+    torch's own for good). Same modes: eager, then compiled compute if Triton is usable."""
+    from torch.utils._triton import has_triton
+
+    def fully_shard_with_compiled_compute(*args, **kwargs):
+        fully_shard(*args, **kwargs)
+        if compile_compute_on_module is None or isinstance(args[0], compile_compute_on_module):
+            args[0].compile()
+
+    class FullyShardMode(Enum):
+        EAGER = auto()
+        COMPILED_COMPUTE = auto()
+
+    def decorator(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            original = func.__globals__["fully_shard"]
+            for mode in FullyShardMode:
+                if mode != FullyShardMode.EAGER and not has_triton():
+                    continue
+                original_compile_threads = torch._inductor.config.compile_threads
+                dist.barrier()
+                if mode == FullyShardMode.COMPILED_COMPUTE:
+                    torch._inductor.config.compile_threads = 1
+                    func.__globals__["fully_shard"] = fully_shard_with_compiled_compute
+                try:
+                    func(*args, **kwargs)
+                finally:
+                    func.__globals__["fully_shard"] = original
+                    torch._inductor.config.compile_threads = original_compile_threads
+                dist.barrier()
+
+        return wrapper
+
+    return decorator
+
+
+def torch_only(reason: str) -> Callable:
+    """Mark a test that inspects torch internals (`Shard(0)` placements, FSDP2's private
+    classes): its `_veragged` variant is skipped with `reason`."""
+
+    def decorator(fn):
+        fn._conformance_torch_only = reason
+        return fn
+
+    return decorator
+
+
+class FSDPTest(TestCase):
+    """Stands in for torch's `common_fsdp.FSDPTest` and `FSDPTestMultiThread`.
+
+    Test methods run on the ranks of `get_pool(self.world_size)`; `conformance_timeout_s`
+    bounds each test (class attribute, override per class).
+    """
+
+    conformance_timeout_s: float = DEFAULT_TIMEOUT_S
+    _conformance_impl: Optional[str] = None  # set on the classes instantiate_... generates
+    device_type = device_type
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def process_group(self):
+        return dist.distributed_c10d._get_default_group()
+
+    def run_subtests(self, *args, **kwargs):
+        return common_fsdp.run_subtests(self, *args, **kwargs)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name, attr in list(vars(cls).items()):
+            if not callable(attr) or getattr(attr, "_conformance_wrapped", False):
+                continue
+            if name.startswith("test"):
+                setattr(cls, name, _shipped(name, attr))
+            elif name in ("setUp", "tearDown"):
+                setattr(cls, name, _rank_only(name, attr))
+
+
+def _shipped(name: str, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        if _IN_RANK:
+            return fn(self, *args, **kwargs)
+        cls = type(self)
+        results = get_pool(self.world_size).run(
+            _run_test, inspect.getfile(cls), cls.__module__, cls.__qualname__, name,
+            cls._conformance_impl or "torch", timeout=cls.conformance_timeout_s)
+        skips = [r for r in results if r is not None]
+        if skips:
+            raise unittest.SkipTest(skips[0])
+
+    wrapper._conformance_wrapped = True
+    return wrapper
+
+
+def _rank_only(name: str, fn: Callable) -> Callable:
+    """A port's setUp/tearDown: runs on the ranks; in the driver only TestCase's runs."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        if _IN_RANK:
+            return fn(self, *args, **kwargs)
+        return getattr(TestCase, name)(self)
+
+    wrapper._conformance_wrapped = True
+    return wrapper
+
+
+def _import_test_module(path: str, module_name: str):
+    """The test module as pytest imported it (its dir on sys.path, same module name)."""
+    module = sys.modules.get(module_name)
+    if module is not None and os.path.abspath(getattr(module, "__file__", "")) == path:
+        return module
+    test_dir = os.path.dirname(path)
+    if test_dir not in sys.path:
+        sys.path.insert(0, test_dir)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
+def _run_test(path: str, module_name: str, qualname: str, method: str,
+              impl: str) -> Optional[str]:
+    """Rank side of a shipped test; returns None, or the reason if the test skipped itself."""
+    global _IMPL, _IN_RANK
+    cls = _import_test_module(os.path.abspath(path), module_name)
+    for part in qualname.split("."):
+        cls = getattr(cls, part)
+    _IMPL, _IN_RANK = impl, True
+    try:
+        torch._dynamo.reset()
+        set_rng_seed()  # as torch's FSDPTest does in each rank before the test
+        test = cls(method)
+        own_setup = getattr(cls.setUp, "_conformance_wrapped", False)
+        own_teardown = getattr(cls.tearDown, "_conformance_wrapped", False)
+        if own_setup:
+            test.setUp()
+        try:
+            getattr(test, method)()
+        finally:
+            if own_teardown:
+                test.tearDown()
+        torch._dynamo.reset()
+    except unittest.SkipTest as exc:
+        return str(exc) or "skipped"
+    finally:
+        _IMPL, _IN_RANK = "torch", False
+    return None
+
+
+def instantiate_conformance_tests(scope: dict) -> None:
+    """Replace every FSDPTest subclass defined in `scope` (a test module's `globals()`) by
+    `<Name>_torch` and `<Name>_veragged`."""
+    for name, base in list(scope.items()):
+        if not (isinstance(base, type) and issubclass(base, FSDPTest) and base is not FSDPTest
+                and base.__module__ == scope["__name__"] and base._conformance_impl is None):
+            continue
+        for impl in IMPLS:
+            namespace = {"__module__": base.__module__, "__qualname__": f"{name}_{impl}",
+                         "_conformance_impl": impl}
+            if impl != "torch":
+                for attr_name in dir(base):
+                    reason = getattr(getattr(base, attr_name), "_conformance_torch_only", None)
+                    if attr_name.startswith("test") and reason is not None:
+                        namespace[attr_name] = unittest.skip(f"torch_only: {reason}")(
+                            getattr(base, attr_name))
+            scope[f"{name}_{impl}"] = type(f"{name}_{impl}", (base,), namespace)
+        del scope[name]

@@ -1,0 +1,201 @@
+"""A persistent pool of gloo ranks that runs one job after another, for fast multi-rank tests.
+
+`run_on_ranks` (veragged.testing.multiprocess) spawns fresh processes for every call, which
+costs seconds per test (interpreter start, `import torch`, rendezvous). A `RankPool` pays that
+once: its `world_size` processes initialise `torch.distributed` (gloo, FileStore rendezvous in a
+temporary directory, one intra-op thread) and then run jobs `(fn, args, kwargs)` sent by the
+parent. After each job every rank calls `dist.barrier()` (so that no rank starts the next job
+while a peer is still inside the previous one) and `torch.manual_seed(0)`.
+
+Any failure (a rank raising, dying, or not finishing in time) raises `MultiRankError` with every
+failed rank's report and tears the pool down: the ranks' collectives may be out of step, so the
+next `run` starts a fresh pool.
+
+    pool = get_pool(2)                       # cached per world size, shut down at exit
+    results = pool.run(fn, 1, x=2)           # fn(1, x=2) on each rank -> [result0, result1]
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import faulthandler
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from multiprocessing import get_context
+from typing import Any, Callable, Optional
+from unittest import mock
+
+from veragged.testing.multiprocess import (
+    _THREAD_VARS,
+    _collect,
+    _die_with_parent,
+    _dump_stacks,
+    _raise_failures,
+    _shutdown,
+)
+
+__all__ = ["RankPool", "get_pool", "shutdown_pools"]
+
+_STACK_FILE = None  # kept open in workers: faulthandler writes to its file descriptor
+_POOLS: dict[int, "RankPool"] = {}
+
+
+class RankPool:
+    """`world_size` spawned gloo ranks, started lazily and reused by successive `run` calls.
+
+    Args:
+        world_size: number of ranks (processes), at least 1.
+        timeout_s: default limit in seconds of one `run` (also of the start-up and of each
+            collective, through the process group timeout).
+    """
+
+    def __init__(self, world_size: int, timeout_s: float = 120.0):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self._procs: list = []
+        self._jobs: list = []  # parent's write ends, one per rank
+        self._reports: dict = {}  # parent's read ends -> rank
+        self._tmpdir: Optional[str] = None
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: Optional[float] = None,
+            **kwargs: Any) -> list[Any]:
+        """Run `fn(*args, **kwargs)` on every rank; return the results indexed by rank.
+
+        `fn` must be importable (module level) and everything picklable. Raises `TypeError` if
+        the job cannot be pickled, `MultiRankError` (an AssertionError) if a rank failed.
+        """
+        timeout = self.timeout_s if timeout is None else float(timeout)
+        try:
+            job = pickle.dumps((fn, args, kwargs))
+        except Exception as exc:
+            raise TypeError(f"RankPool.run: fn and its arguments must be picklable "
+                            f"(define fn at module level): {exc!r}") from exc
+        if not self.alive:
+            self._start()
+        for conn in self._jobs:
+            with contextlib.suppress(OSError):  # a dead rank shows up as "died" below
+                conn.send_bytes(job)
+        label = f"RankPool.run({getattr(fn, '__qualname__', fn)!s}, world_size={self.world_size})"
+        self._wait(label, timeout)
+        return self._results
+
+    def _start(self) -> None:
+        self._tmpdir = tempfile.mkdtemp(prefix="veragged_pool_")
+        ctx = get_context("spawn")
+        config = (self.world_size, self.timeout_s, os.getpid(), self._tmpdir)
+        with mock.patch.dict(os.environ, dict.fromkeys(_THREAD_VARS, "1")):  # children copy it
+            for rank in range(self.world_size):
+                job_r, job_w = ctx.Pipe(duplex=False)
+                rep_r, rep_w = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker_main, name=f"pool{self.world_size}-rank{rank}",
+                                   args=(rank, config, job_r, rep_w))
+                self._procs.append(proc)
+                self._jobs.append(job_w)
+                self._reports[rep_r] = rank
+                proc.start()
+                job_r.close()  # the child holds the only copies now: EOF means it is gone
+                rep_w.close()
+        self._wait(f"RankPool(world_size={self.world_size}) start-up", self.timeout_s)
+
+    def _wait(self, label: str, timeout: float) -> None:
+        """Collect one report per rank; on any failure tear down and raise MultiRankError."""
+        reports, pending = _collect(self._reports, time.monotonic() + timeout)
+        all_ok = all(kind == "ok" for _, kind, _ in reports)
+        if all_ok and not pending:
+            results = {rank: payload for rank, _, payload in reports}
+            self._results = [results[rank] for rank in range(self.world_size)]
+            return
+        if all_ok:  # timed out: have the hung ranks write down where they are
+            _dump_stacks(self._procs, pending)
+        procs, tmpdir = self._procs, self._tmpdir
+        _shutdown(procs)
+        try:
+            _raise_failures(label, reports, pending, procs, tmpdir, timeout)
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the ranks (a later `run` starts fresh ones)."""
+        for conn in self._jobs:
+            with contextlib.suppress(OSError):
+                conn.send_bytes(b"")  # asks the worker to leave its loop
+        end = time.monotonic() + 2.0
+        for proc in self._procs:
+            proc.join(max(0.0, end - time.monotonic()))
+        _shutdown(self._procs)
+        for conn in [*self._jobs, *self._reports]:
+            conn.close()
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._procs, self._jobs, self._reports, self._tmpdir = [], [], {}, None
+
+
+def get_pool(world_size: int, timeout_s: float = 120.0) -> RankPool:
+    """The session-wide pool of `world_size` ranks (created on first use, shut down at exit)."""
+    if world_size not in _POOLS:
+        _POOLS[world_size] = RankPool(world_size, timeout_s)
+    return _POOLS[world_size]
+
+
+@atexit.register
+def shutdown_pools() -> None:
+    """Shut every cached pool down."""
+    for pool in _POOLS.values():
+        pool.shutdown()
+
+
+def _worker_main(rank: int, config: tuple, jobs, reports) -> None:
+    """Entry point of each rank: init the process group, then run jobs until told to stop."""
+    global _STACK_FILE
+    world_size, timeout, parent_pid, tmpdir = config
+    _die_with_parent(parent_pid)
+    _STACK_FILE = open(os.path.join(tmpdir, f"rank{rank}.stack"), "w")
+    faulthandler.enable(file=_STACK_FILE, all_threads=True)  # stacks of a crash (e.g. SIGSEGV)
+    if hasattr(signal, "SIGUSR1"):  # stacks of a hang, on request from the parent
+        faulthandler.register(signal.SIGUSR1, file=_STACK_FILE, all_threads=True)
+
+    import torch
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        dist.barrier()
+        torch.manual_seed(0)
+        reports.send_bytes(pickle.dumps(("ok", None)))
+    except BaseException:
+        reports.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+        return
+    while True:
+        try:
+            job = jobs.recv_bytes()
+        except (EOFError, OSError):
+            break
+        if not job:  # shutdown request
+            break
+        try:
+            fn, args, kwargs = pickle.loads(job)
+            result = fn(*args, **kwargs)
+            dist.barrier()  # no rank moves on while a peer is still in this job
+            report = pickle.dumps(("ok", result))
+        except BaseException:
+            report = pickle.dumps(("error", traceback.format_exc()))
+        torch.manual_seed(0)
+        reports.send_bytes(report)
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
