@@ -21,6 +21,7 @@ if ! torch_ok; then
 fi
 missing=()
 for spec in ninja:ninja numpy:numpy pytest:pytest pytest_timeout:pytest-timeout matplotlib:matplotlib \
+    expecttest:expecttest \
     setuptools:setuptools wheel:wheel; do
   "$PY" -c "import ${spec%%:*}" 2>/dev/null || missing+=("${spec##*:}")
 done

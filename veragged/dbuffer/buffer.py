@@ -50,6 +50,12 @@ def aligned_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch
     return raw[skip : skip + numel]
 
 
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 def ragged_placement(shape: Sequence[int], counts: Sequence[int]) -> RaggedShard:
     """The coarsest RaggedShard giving each rank `counts[r]` elements of a tensor of `shape`.
 
@@ -109,20 +115,15 @@ class DBuffer:
         self.group = mesh.get_group(self.shard_dim)
         self.world = mesh.size(self.shard_dim)
         self.rank = mesh.get_coordinate()[self.shard_dim]
-        self.dtype = dtypes.pop()
-        self.param_dtype = param_dtype or self.dtype
-        self.reduce_dtype = reduce_dtype or self.param_dtype
-        self.device = (
-            torch.device(mesh.device_type)
-            if mesh.device_type != "cuda"
-            else torch.device("cuda", torch.cuda.current_device())
-        )
+        self._policy = (param_dtype, reduce_dtype)
+        dtype = dtypes.pop()
+        # Tensors on the meta device make a meta DBuffer: `apply_` (`to_empty`) materialises it.
+        meta = any(t.is_meta for _, t in tensors)
+        device = torch.device("meta") if meta else _mesh_device(mesh)
         numels = [t.numel() for _, t in tensors]
         blocks = list(block_sizes) if block_sizes is not None else [1] * len(tensors)
-        itemsize = min(
-            torch.empty((), dtype=d).element_size()
-            for d in (self.dtype, self.param_dtype, self.reduce_dtype)
-        )
+        compute = param_dtype or dtype
+        itemsize = min(d.itemsize for d in (dtype, compute, reduce_dtype or compute))
         self.layout = plan(numels, blocks, self.world, align=ALIGN_BYTES // itemsize)
         S = self.shard_size = self.layout.shard_size
         lo, hi = self.rank * S, (self.rank + 1) * S
@@ -134,18 +135,30 @@ class DBuffer:
             self.entries.append(
                 _Entry(name, t.shape, start, end, local, ragged_placement(t.shape, counts))
             )
+        shard = aligned_empty(S, dtype, device)
+        if not meta:
+            shard.zero_()
+            with torch.no_grad():
+                for e, (_, t) in zip(self.entries, tensors):
+                    b, n = e.local[0], e.local[1] - e.local[0]
+                    if n:
+                        src = t.detach().reshape(-1)[lo + b - e.start : lo + b - e.start + n]
+                        shard[b : b + n].copy_(src)
+        self.params = self._make_buffers(shard)
+        self._gather_work = None
+        self._reduce = None  # a launched reduce-scatter and how to finish it
 
-        self.shard = aligned_empty(S, self.dtype, self.device)
-        self.shard.zero_()
-        with torch.no_grad():
-            for e, (_, t) in zip(self.entries, tensors):
-                b, n = e.local[0], e.local[1] - e.local[0]
-                if n:
-                    self.shard[b : b + n].copy_(
-                        t.detach().reshape(-1)[lo + b - e.start : lo + b - e.start + n]
-                    )
-        self.params = [self._sharded(e, self.shard, requires_grad=True) for e in self.entries]
-
+    def _make_buffers(self, shard: torch.Tensor) -> list[torch.nn.Parameter]:
+        """(Re)make every buffer around `shard` (dtype and device follow it); returns the new
+        sharded parameters (views of `shard`)."""
+        S = self.shard_size
+        self.shard = shard
+        self.dtype, self.device = shard.dtype, shard.device
+        param_dtype, reduce_dtype = self._policy
+        floating = self.dtype.is_floating_point
+        self.param_dtype = param_dtype if (param_dtype and floating) else self.dtype
+        self.reduce_dtype = reduce_dtype if (reduce_dtype and floating) else self.param_dtype
+        params = [self._sharded(e, shard, requires_grad=True) for e in self.entries]
         self._unsharded = torch.empty(self.world * S, dtype=self.param_dtype, device=self.device)
         self.unsharded_params = [
             self._unsharded[e.start : e.end].view(e.shape) for e in self.entries
@@ -156,8 +169,43 @@ class DBuffer:
         self.unsharded_grads = [self._grads[e.start : e.end].view(e.shape) for e in self.entries]
         self._free(self._grads)
         self._shard_grad: torch.Tensor | None = None
-        self._gather_work = None
-        self._reduce = None  # a launched reduce-scatter: (work, source, output, accumulate, avg)
+        self._acc: torch.Tensor | None = None  # reduce-dtype gradient sum over no-sync steps
+        return params
+
+    def apply_(self, fn) -> bool:
+        """Run a module `_apply` function (`.to()`, `.double()`, `to_empty`) on the group.
+
+        `fn` sees the flat shard once. If it returns a new dtype or device, every buffer is
+        re-made around the result and the old sharded parameters take the new contents in
+        place (`torch.utils.swap_tensors`), so modules and optimizers holding them stay valid.
+        Sharded gradients move with their parameters. Returns whether the buffers were re-made
+        (the unsharded views are then new objects).
+        """
+        self.finish_reduce()
+        self.reshard()
+        with torch.no_grad():
+            new = fn(self.shard)
+        if new is self.shard or (new.dtype == self.dtype and new.device == self.device
+                                 and new.data_ptr() == self.shard.data_ptr()):
+            return False
+        shard = aligned_empty(self.shard_size, new.dtype, new.device)
+        with torch.no_grad():
+            shard.copy_(new)
+        old_grads = [p.grad for p in self.params]
+        old_shard_grad = self._shard_grad
+        new_params = self._make_buffers(shard)
+        for old, fresh, grad in zip(self.params, new_params, old_grads):
+            fresh.requires_grad_(old.requires_grad)
+            old.grad = None
+            torch.utils.swap_tensors(old, fresh)
+        if old_shard_grad is not None and any(g is not None for g in old_grads):
+            self._shard_grad = aligned_empty(self.shard_size, self.dtype, self.device)
+            with torch.no_grad():
+                self._shard_grad.copy_(old_shard_grad)
+            for p, e, g in zip(self.params, self.entries, old_grads):
+                if g is not None:
+                    p.grad = self._sharded(e, self._shard_grad, requires_grad=False)
+        return True
 
     # --- views -------------------------------------------------------------------------------
 
@@ -206,9 +254,17 @@ class DBuffer:
         else:  # cast this rank's shard into its own slot, then gather in place
             source = self._unsharded[self.rank * S : (self.rank + 1) * S]
             ops.cast_scale_(source, self.shard, 1.0)
-        self._gather_work = dist.all_gather_into_tensor(
-            self._unsharded, source, group=self.group, async_op=True
-        )
+        if self.world == 1:  # nothing to gather: the shard is the whole buffer
+            if source is self.shard:
+                ops.cast_scale_(self._unsharded, self.shard, 1.0)
+            self._gather_work = None
+            torch._C._autograd._unsafe_set_version_counter(
+                (self._unsharded,), (self._gather_version,)
+            )
+        else:
+            self._gather_work = dist.all_gather_into_tensor(
+                self._unsharded, source, group=self.group, async_op=True
+            )
         if not async_op:
             self.wait_unshard()
         return self._gather_work
@@ -234,9 +290,14 @@ class DBuffer:
         return (
             g is not None
             and self._shard_grad is not None
+            and isinstance(g, RaggedDTensor)
             and g._local_tensor.untyped_storage().data_ptr()
             == self._shard_grad.untyped_storage().data_ptr()
         )
+
+    @property
+    def grads_allocated(self) -> bool:
+        return self._grads.untyped_storage().size() > 0
 
     def zero_unsharded_grads(self) -> list[torch.Tensor]:
         """Allocate and zero the gradient buffer (one launch); returns the per-tensor views."""
@@ -244,51 +305,97 @@ class DBuffer:
         ops.zero_ranges_(self._grads, [(0, self._grads.numel())])
         return self.unsharded_grads
 
-    def reduce_grads(self, *, accumulate: bool = False, average: bool = True, async_op=False):
+    def stash_grads(self) -> None:
+        """Fold this backward's gradients into the reduce-dtype accumulator (no-sync steps).
+
+        Only needed when the reduce dtype is wider than the compute dtype: unsharded gradients
+        then accumulate across micro-batches in the reduce dtype, as torch's FSDP2 does, and the
+        compute-dtype buffer is freed until the next backward zeroes it again.
+        """
+        if self.reduce_dtype == self.param_dtype or not self.grads_allocated:
+            return
+        if self._acc is None:
+            self._acc = torch.zeros(self.world * self.shard_size, dtype=self.reduce_dtype,
+                                    device=self.device)
+        ops.accumulate_(self._acc, self._grads, 1.0)
+        self._free(self._grads)
+
+    def reduce_grads(
+        self,
+        *,
+        accumulate: bool = False,
+        average: bool = True,
+        divide_factor: float | None = None,
+        all_reduce: bool = True,
+        async_op=False,
+    ):
         """Reduce-scatter the gradient buffer into the sharded gradients.
 
         SUM on the wire (gloo's AVG is unreliable, pytorch #162338), then one fused kernel
-        scales by 1/world (if `average`) and casts into the master-dtype shard gradient, adding to
-        it when `accumulate`. HSDP: the result is then all-reduced over the other mesh dims.
-        With `async_op` only the reduce-scatter is launched; `finish_reduce()` completes it.
+        scales by 1/world (if `average`; `divide_factor` replaces the world size) and casts into
+        the master-dtype shard gradient, adding to it when `accumulate`. HSDP: the result is
+        then all-reduced over the other mesh dims (unless `all_reduce` is False). A world of one
+        communicates nothing. With `async_op` only the reduce-scatter is launched;
+        `finish_reduce()` completes it.
         """
         self.finish_reduce()
         S = self.shard_size
-        source = self._grads
-        if self.reduce_dtype != self.param_dtype:  # e.g. bf16 gradients reduced in fp32
+        if self._acc is not None:  # micro-batches accumulated in the reduce dtype
+            if self.grads_allocated:
+                ops.accumulate_(self._acc, self._grads, 1.0)
+            source, self._acc = self._acc, None
+        elif self.reduce_dtype != self.param_dtype:  # e.g. bf16 gradients reduced in fp32
             source = torch.empty(self.world * S, dtype=self.reduce_dtype, device=self.device)
             ops.cast_scale_(source, self._grads, 1.0)
-        reduced = torch.empty(S, dtype=self.reduce_dtype, device=self.device)
-        work = dist.reduce_scatter_tensor(
-            reduced, source, op=dist.ReduceOp.SUM, group=self.group, async_op=True
-        )
-        self._reduce = (work, source, reduced, accumulate, average)
+        else:
+            source = self._grads
+        if self.world == 1:
+            reduced, work = source, None
+        else:
+            reduced = torch.empty(S, dtype=self.reduce_dtype, device=self.device)
+            work = dist.reduce_scatter_tensor(
+                reduced, source, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+            )
+        self._reduce = (work, source, reduced, accumulate, average, divide_factor, all_reduce)
         if not async_op:
             self.finish_reduce()
 
-    def finish_reduce(self) -> None:
-        """Wait for a launched reduce-scatter and write the sharded gradients (no-op if none)."""
+    def finish_reduce(self, bind: Sequence[bool] | None = None) -> None:
+        """Wait for a launched reduce-scatter and write the sharded gradients (no-op if none).
+
+        `bind[i]` says whether tensor i receives its gradient (default: every tensor); the
+        others keep their `.grad` as it was (None stays None).
+        """
         if self._reduce is None:
             return
-        work, source, reduced, accumulate, average = self._reduce
+        work, source, reduced, accumulate, average, divide_factor, all_reduce = self._reduce
         self._reduce = None
-        work.wait()
+        if work is not None:
+            work.wait()
         del source
         S = self.shard_size
         replicas = 1
         for d in range(self.mesh.ndim):
             if d != self.shard_dim:
-                dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.mesh.get_group(d))
+                if all_reduce and self.mesh.size(d) > 1:
+                    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.mesh.get_group(d))
                 replicas *= self.mesh.size(d)
-        scale = 1.0 / (self.world * replicas) if average else 1.0
+        if divide_factor is not None:
+            scale = 1.0 / divide_factor
+        else:
+            scale = 1.0 / (self.world * replicas) if average else 1.0
         if self._shard_grad is None:
             self._shard_grad = aligned_empty(S, self.dtype, self.device)
-        unbound = [(p, e) for p, e in zip(self.params, self.entries) if not self._bound(p)]
+        bind = [True] * len(self.params) if bind is None else list(bind)
+        unbound = [
+            (p, e) for p, e, b in zip(self.params, self.entries, bind)
+            if b and not self._bound(p)
+        ]
         if accumulate:  # tensors whose .grad was dropped (set to None) start again from zero
             ops.zero_ranges_(self._shard_grad, [e.local for _, e in unbound])
-            ops.accumulate_(self._shard_grad, reduced, scale)
+            ops.accumulate_(self._shard_grad, reduced[:S], scale)
         else:
-            ops.cast_scale_(self._shard_grad, reduced, scale)
+            ops.cast_scale_(self._shard_grad, reduced[:S], scale)
         for p, e in unbound:
             p.grad = self._sharded(e, self._shard_grad, requires_grad=False)
         self._free(self._grads)

@@ -1,98 +1,195 @@
-"""`veragged.fully_shard`: FSDP2's API on RaggedShard parameters and DBuffers."""
+"""`veragged.fully_shard`: FSDP2's API and behaviour on RaggedShard parameters and DBuffers."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.tensor import DTensor, Shard
 
 from veragged.dbuffer.buffer import DBuffer
-from veragged.fsdp.group import ParamGroup, RootState
+from veragged.fsdp.group import ParamGroup
+from veragged.fsdp.state import FSDPState
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
+
+# Original parameters some fully_shard call took: a second call meeting one (a parameter tied
+# across two calls) raises instead of silently untying it.
+_MANAGED: "weakref.WeakSet[nn.Parameter]" = weakref.WeakSet()
+_CLASS_CACHE: dict[type, type] = {}  # one FSDP class per original class (torch.compile guards)
 
 
 class UnshardHandle:
     """Returned by `FSDPModule.unshard(async_op=True)`; `wait()` finishes the all-gather."""
 
-    def __init__(self, group: ParamGroup):
-        self._group = group
+    def __init__(self, groups: list[ParamGroup] | None):
+        self._groups = groups
 
     def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
+        for g in self._groups or ():
+            g.wait_for_unshard()
+        self._groups = None
 
 
-class FSDPModule:
-    """Mixed into every module `fully_shard` was applied to (as FSDP2 does)."""
+def _unsupported(name: str):
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(f"FSDPModule.{name} is not supported by veragged.fully_shard")
 
-    _veragged_group: ParamGroup | None  # None: every parameter belongs to an inner fully_shard
-    _veragged_root: RootState
+    method.__name__ = name
+    return method
+
+
+class FSDPModule(TorchFSDPModule):
+    """Mixed into every module `fully_shard` was applied to; a torch `FSDPModule` subclass, so
+    torch's tooling that checks for FSDP2 modules recognises it."""
+
+    # [FSDP<Orig>, FSDPModule, torch's FSDPModule, Orig, ...]: see torch's FSDPModule.__new__.
+    _orig_cls_mro_index = 3
+    _veragged_state: FSDPState
+
+    def _get_fsdp_state(self) -> FSDPState:
+        return self._veragged_state
+
+    def _states(self, recurse: bool) -> list[FSDPState]:
+        modules = self.modules() if recurse else [self]
+        seen: list[FSDPState] = []
+        for m in modules:
+            st = getattr(m, "_veragged_state", None)
+            if st is not None and st not in seen:
+                seen.append(st)
+        return seen
+
+    def _groups(self, recurse: bool) -> list[ParamGroup]:
+        return [g for st in self._states(recurse) for g in st.groups]
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        group = self._veragged_group
-        if group is None:
-            return UnshardHandle(None) if async_op else None
-        group.unshard(async_op=async_op)
-        handle = UnshardHandle(group)
+        state = self._veragged_state
+        for g in state.groups:
+            g.unshard(async_op=True)
+        handle = UnshardHandle(list(state.groups))
         if async_op:
             return handle
         handle.wait()
         return None
 
     def reshard(self) -> None:
-        if self._veragged_group is not None:
-            self._veragged_group.reshard()
+        for g in self._veragged_state.groups:
+            g.reshard()
 
-    def _groups(self, recurse: bool) -> list[ParamGroup]:
-        modules = self.modules() if recurse else [self]
-        groups = [m._veragged_group for m in modules if isinstance(m, FSDPModule)]
-        return [g for g in groups if g is not None]
+    def reset_iter_state(self) -> None:
+        self._veragged_state.reset_iter_state()
 
-    def set_requires_gradient_sync(
-        self, requires_gradient_sync: bool, *, recurse: bool = True
-    ) -> None:
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        self._veragged_state.ctx.is_last_backward = bool(is_last_backward)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
         for g in self._groups(recurse):
-            g.requires_grad_sync = requires_gradient_sync
+            g.reduce_grads = requires_gradient_sync
+            g.all_reduce_grads = requires_gradient_sync
 
-    def set_reshard_after_backward(
-        self, reshard_after_backward: bool, *, recurse: bool = True
-    ) -> None:
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         for g in self._groups(recurse):
-            g.reshard_after_backward = reshard_after_backward
+            g.all_reduce_grads = requires_all_reduce
 
-    def set_reshard_after_forward(
-        self, reshard_after_forward: bool, *, recurse: bool = True
-    ) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *,
+                                  recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"reshard_after_forward must be a bool, got {reshard_after_forward!r}"
+            )
         for g in self._groups(recurse):
             g.reshard_after_forward = reshard_after_forward
 
-    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        self._veragged_root.forward_prefetch[self._veragged_group] = [_group_of(m) for m in modules]
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        for g in self._groups(recurse):
+            g.reshard_after_backward = reshard_after_backward
 
-    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        self._veragged_root.backward_prefetch[self._veragged_group] = [
-            _group_of(m) for m in modules
-        ]
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        self._veragged_state.forward_prefetch = [_state_of(m, "modules") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        self._veragged_state.backward_prefetch = [_state_of(m, "modules") for m in modules]
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        self._veragged_state.post_optim_event = event
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        if not factor > 0:
+            raise ValueError(f"factor must be positive, got {factor!r}")
+        for g in self._groups(recurse=True):
+            g.gradient_divide_factor = float(factor)
+
+    set_reduce_scatter_divide_factor = set_gradient_divide_factor
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted: veragged always reduces with SUM on the wire and divides after."""
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        for g in self._groups(recurse):
+            g.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        for g in self._veragged_state.groups:
+            g.unshard_in_backward = unshard_in_backward
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Accepted: veragged's all-gathers are always asynchronous until waited for."""
+
+    set_custom_all_gather = _unsupported("set_custom_all_gather")
+    set_custom_reduce_scatter = _unsupported("set_custom_reduce_scatter")
+    set_all_reduce_hook = _unsupported("set_all_reduce_hook")
+    set_manual_backward_finalization = _unsupported("set_manual_backward_finalization")
+    finalize_backward = _unsupported("finalize_backward")
+    set_keep_unsharded_storage = _unsupported("set_keep_unsharded_storage")
+    set_reduce_scatter_max_input_buffers = _unsupported("set_reduce_scatter_max_input_buffers")
+    set_separate_reduce_scatter_group = _unsupported("set_separate_reduce_scatter_group")
+    set_allocate_memory_from_process_group_for_comm = _unsupported(
+        "set_allocate_memory_from_process_group_for_comm"
+    )
+    set_symm_mem_for_comm = _unsupported("set_symm_mem_for_comm")
+
+    def _apply(self, fn, recurse: bool = True):
+        """`.to()`, `.float()`, `to_empty()`, ...: the DBuffers go through `fn` as a whole,
+        the sharded parameters keep their identity (see `DBuffer.apply_`)."""
+        state = self._veragged_state
+        hidden = []
+        for g in state.groups:
+            g.finish_reduce()
+            g.reshard()
+            for places in g.locations:
+                for mod, name in places:
+                    hidden.append((mod, name, mod._parameters[name]))
+                    mod._parameters[name] = None
+        try:
+            ret = nn.Module._apply(self, fn, recurse)
+        finally:
+            for mod, name, p in hidden:
+                mod._parameters[name] = p
+        for g in state.groups:
+            g.apply_(fn)
+        return ret
 
 
-def _group_of(module) -> ParamGroup:
+def _state_of(module, arg: str) -> FSDPState:
     if not isinstance(module, FSDPModule):
         raise ValueError(
-            f"expected a module that fully_shard was applied to, got {type(module).__name__}"
+            f"{arg}: expected modules that veragged.fully_shard was applied to, got "
+            f"{type(module).__name__}"
         )
-    if module._veragged_group is None:
-        raise ValueError(f"{type(module).__name__} has no parameters of its own to prefetch")
-    return module._veragged_group
+    return module._veragged_state
 
 
-def _collect(module: nn.Module, ignored: set[int]):
-    """Parameters of `module` not managed by an inner fully_shard: [(fqn, param, locations)]."""
+def _collect(modules: tuple[nn.Module, ...], ignored: set[int]):
+    """Parameters of `modules` not managed by an inner fully_shard: [(fqn, param, locations)]."""
     found: dict[int, tuple[str, nn.Parameter, list]] = {}
 
     def walk(mod: nn.Module, prefix: str) -> None:
@@ -105,7 +202,8 @@ def _collect(module: nn.Module, ignored: set[int]):
             if child is not None and not isinstance(child, FSDPModule):
                 walk(child, f"{prefix}{name}.")
 
-    walk(module, "")
+    for i, m in enumerate(modules):
+        walk(m, f"{i}." if len(modules) > 1 else "")
     return list(found.values())
 
 
@@ -116,84 +214,165 @@ def _default_mesh() -> DeviceMesh:
     return init_device_mesh(device, (dist.get_world_size(),))
 
 
-def fully_shard(
-    module: nn.Module,
-    *,
-    mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    offload_policy: OffloadPolicy | None = None,
-    ignored_params: Iterable[nn.Parameter] | None = None,
-    granularity_fn: Callable[[str, nn.Parameter], int | None] | None = None,
-) -> nn.Module:
-    """Shard `module`'s parameters (those no inner `fully_shard` took) into one DBuffer.
-
-    Same meaning of every argument as `torch.distributed.fsdp.fully_shard`; apply it to the
-    blocks first and the root last. `mesh` is 1-D (FSDP) or 2-D `(replicate, shard)` (HSDP).
-    `granularity_fn(fqn, param)` gives the block size in elements that no rank boundary may cut
-    (None: element-wise); the planner keeps those blocks whole, and the sharded parameters are
-    RaggedShard DTensors, views into the group's DBuffer. See [Note: fully_shard lifecycle].
-    """
+def _check_module(module: nn.Module) -> None:
     if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+        raise ValueError(f"fully_shard expects an nn.Module or a list of them, got {module!r}")
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
-    if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
-        raise NotImplementedError(
-            f"offload_policy={offload_policy!r}: CPU offload is not supported yet"
+    if isinstance(module, TorchFSDPModule):
+        raise ValueError(
+            f"{type(module).__name__} was already sharded by torch.distributed.fsdp.fully_shard"
         )
+
+
+def _block_size(fqn, p, granularity_fn, shard_placement_fn) -> int:
+    block = None
+    if shard_placement_fn is not None:
+        placement = shard_placement_fn(p)
+        if placement is not None:
+            if not (isinstance(placement, Shard) and placement.dim == 0):
+                raise NotImplementedError(
+                    f"shard_placement_fn({fqn!r}) = {placement!r}: veragged shards whole rows "
+                    "(Shard(0)) or blocks (granularity_fn); other placements are not supported"
+                )
+            block = p.numel() // p.shape[0] if p.shape[0] else 1
+    if granularity_fn is not None:
+        g = granularity_fn(fqn, p)
+        block = block if g is None else g
+    block = 1 if block is None else block
+    if not isinstance(block, int) or block < 1 or p.numel() % block:
+        raise ValueError(
+            f"granularity_fn({fqn!r}) = {block!r} must be a positive int dividing numel "
+            f"{p.numel()}"
+        )
+    return block
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: Iterable[nn.Parameter] | None = None,
+    granularity_fn: Callable[[str, nn.Parameter], int | None] | None = None,
+):
+    """Shard `module`'s parameters (those no inner `fully_shard` took), one DBuffer per dtype.
+
+    Every argument means what it means for `torch.distributed.fsdp.fully_shard`; apply it to
+    the blocks first and the root last. `module` may be a list (one group for several
+    modules). `mesh` is 1-D (FSDP) or 2-D `(replicate, shard)` (HSDP). `reshard_after_forward`:
+    True, False, or None (True except for the root). `granularity_fn(fqn, param)` gives the block
+    size in elements that no rank boundary may cut (None: element-wise); `shard_placement_fn`
+    returning `Shard(0)` keeps rows whole. The sharded parameters are RaggedShard DTensors,
+    views into their group's DBuffer. See [Note: fully_shard lifecycle].
+    """
+    modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    for m in modules:
+        _check_module(m)
     mesh = mesh if mesh is not None else _default_mesh()
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a DeviceMesh, got {mesh!r}")
     if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim} dims"
+            f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim} dims: {mesh}"
+        )
+    shard_world = mesh.size(mesh.ndim - 1)
+    auto = reshard_after_forward is None
+    if auto:
+        reshard_after_forward = True
+    elif isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        if reshard_after_forward != shard_world:
+            raise NotImplementedError(
+                f"reshard_after_forward={reshard_after_forward}: resharding to a smaller world "
+                f"after forward is not supported yet (use True, False, None or {shard_world})"
+            )
+        reshard_after_forward = True
+    elif not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"reshard_after_forward must be None, a bool or an int, got {reshard_after_forward!r}"
+        )
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
+    if isinstance(offload_policy, CPUOffloadPolicy) and mesh.device_type != "cpu":
+        raise NotImplementedError(
+            f"offload_policy={offload_policy!r} with a {mesh.device_type} mesh: CPU offload "
+            "is not supported yet (on a CPU mesh the parameters already live on the CPU)"
         )
     ignored = {id(p) for p in ignored_params or ()}
-    params = _collect(module, ignored)
-    children = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
-    groups = [c._veragged_group for c in children if c._veragged_group is not None]
-    group = None
-    if params:
-        blocks = []
-        for fqn, p, _ in params:
-            block = granularity_fn(fqn, p) if granularity_fn is not None else None
-            block = 1 if block is None else block
-            if not isinstance(block, int) or block < 1 or p.numel() % block:
-                raise ValueError(
-                    f"granularity_fn({fqn!r}) = {block!r} must be a positive int dividing "
-                    f"numel {p.numel()}"
-                )
-            blocks.append(block)
+    params = _collect(modules, ignored)
+    for fqn, p, _ in params:
+        if isinstance(p, DTensor):
+            raise ValueError(
+                f"parameter {fqn!r} is already a DTensor ({p.placements}): sharded by another "
+                "fully_shard or by tensor parallelism, which veragged.fully_shard does not "
+                "take yet"
+            )
+        if p in _MANAGED:
+            raise ValueError(
+                f"parameter {fqn!r} is shared with a parameter already managed by another "
+                "fully_shard call; for shared/tied parameters, call fully_shard([module_a, "
+                "module_b]) so they land in one group, or shard their common parent"
+            )
+        if p.ndim == 0:
+            raise ValueError(
+                f"parameter {fqn!r} is 0-dim (shape ()); fully_shard needs at least one "
+                "dimension: reshape it to (1,) or pass it in ignored_params"
+            )
+    by_dtype: dict[torch.dtype, list] = {}
+    for entry in params:
+        by_dtype.setdefault(entry[1].dtype, []).append(entry)
+    groups = []
+    for entries in by_dtype.values():
+        blocks = [_block_size(f, p, granularity_fn, shard_placement_fn) for f, p, _ in entries]
         buffer = DBuffer(
-            [(fqn, p.detach()) for fqn, p, _ in params],
+            [(fqn, p.detach()) for fqn, p, _ in entries],
             mesh,
             shard_dim=-1,
             block_sizes=blocks,
             param_dtype=mp_policy.param_dtype,
             reduce_dtype=mp_policy.reduce_dtype,
         )
-        for sharded, (_, p, _) in zip(buffer.params, params):
+        for sharded, (_, p, _) in zip(buffer.params, entries):
             sharded.requires_grad_(p.requires_grad)
+            _MANAGED.add(p)
         group = ParamGroup(
-            module,
-            [loc for *_, loc in params],
+            [f for f, _, _ in entries],
+            [loc for *_, loc in entries],
             buffer,
             reshard_after_forward=reshard_after_forward,
-            mp_policy=mp_policy,
         )
         group.reshard()
         groups.append(group)
-        # The hooks gather, free and swap parameters: they run eagerly, also when the module is
-        # compiled (torch.compile then compiles the forward between them).
-        module.register_forward_pre_hook(
-            torch.compiler.disable(group.pre_forward), with_kwargs=True
-        )
-        module.register_forward_hook(torch.compiler.disable(group.post_forward))
-    root = RootState(groups)
-    for m in [module, *children]:
-        m._veragged_root = root
-    module._veragged_group = group
-    cls = type(module)
-    module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    state = FSDPState(modules, groups, mp_policy, auto)
+    for m in modules:
+        m._veragged_state = state
+        m.register_state_dict_pre_hook(lambda *a, **k: _reshard(state))
+        m._register_load_state_dict_pre_hook(lambda *a, **k: _reshard(state))
+        m.register_load_state_dict_post_hook(lambda *a, **k: _retake(state))
+        cls = type(m)
+        if cls not in _CLASS_CACHE:
+            _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        m.__class__ = _CLASS_CACHE[cls]
     return module
+
+
+def _reshard(state: FSDPState) -> None:
+    for g in state.groups:
+        g.reshard()
+
+
+def _retake(state: FSDPState) -> None:
+    """After `load_state_dict(assign=True)`: copy what was assigned into the DBuffers and
+    register the sharded parameters again."""
+    for g in state.groups:
+        for i, (p, places) in enumerate(zip(g.sharded, g.locations)):
+            for mod, name in places:
+                q = mod._parameters.get(name)
+                if q is not None and q is not p:
+                    g.reset_sharded_param(i, q)
+        g.reshard()

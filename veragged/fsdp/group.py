@@ -1,80 +1,67 @@
-"""One `fully_shard` call's state: its DBuffer, the parameter swap and the forward/backward hooks.
+"""One DBuffer's worth of a `fully_shard` call: parameter swaps, collectives, gradients.
 
-[Note: fully_shard lifecycle]
-Between iterations a sharded module holds its sharded parameters (RaggedShard DTensors, views
-into the DBuffer's shard), which is what `parameters()`, optimizers and `state_dict()` see.
-- pre-forward: all-gather into the unsharded buffer (or wait for a prefetch), register the
-  unsharded parameters (plain `nn.Parameter` views into that buffer, made once) in their modules.
-- post-forward: with `reshard_after_forward`, register the sharded parameters again and free
-  the unsharded buffer's storage; autograd keeps the unsharded views, whose storage the
-  pre-backward all-gather restores before any of the module's backward runs. A grad hook on the
-  outputs is the pre-backward hook.
-- pre-backward: unshard if needed; allocate and zero the gradient buffer and make its views the
-  unsharded parameters' `.grad`, so the autograd engine accumulates into place.
-- post-backward: once every unsharded parameter with a gradient has accumulated (or at the end
-  of backward, from the root's final callback, for parameters the step did not use), launch the
-  reduce-scatter of the gradient buffer; backward of the earlier groups runs while it is on the
-  wire. Launching one finishes the one before (writes its sharded `.grad` views, frees its
-  gradient buffer), so at most two gradient buffers are live; the root's final callback
-  finishes the last.
-- backward prefetch: once a group's backward has its parameters, the all-gather of the group
-  backward needs next (the one before it in forward order, or those set with
-  `set_modules_to_backward_prefetch`) is launched without waiting.
-Collectives are issued in forward/backward order, which is the same on every rank.
+A `fully_shard` call makes one `ParamGroup` per parameter dtype (one DBuffer each); its
+`FSDPState` (`state.py`) drives them through [Note: fully_shard lifecycle].
 """
 
 from __future__ import annotations
 
-from typing import Any
-
+import enum
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map
 
 from veragged.dbuffer.buffer import DBuffer
 
-__all__ = ["ParamGroup"]
+__all__ = ["ParamGroup", "TrainingState"]
 
 
-def _cast_floats(tree, dtype: torch.dtype):
-    def cast(t):
-        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+class TrainingState(enum.Enum):
+    """Where a state or group is in an iteration (the names and meaning of torch's FSDP2)."""
 
-    return tree_map(cast, tree)
+    IDLE = enum.auto()  # between iterations, or after its forward
+    FORWARD = enum.auto()  # between its pre-forward and post-forward
+    PRE_BACKWARD = enum.auto()  # its backward may run: unsharded, gradients bound
+    POST_BACKWARD = enum.auto()  # its backward ran: gradients reduced (or stashed)
 
 
 class ParamGroup:
-    """The parameters one `fully_shard` call manages, in one DBuffer."""
+    """The parameters of one dtype that one `fully_shard` call manages, in one DBuffer."""
 
     def __init__(
         self,
-        module: nn.Module,
+        fqns: list[str],
         locations: list[list[tuple[nn.Module, str]]],
         buffer: DBuffer,
         *,
         reshard_after_forward: bool,
-        mp_policy,
     ):
-        self.module = module
+        self.fqns = fqns
         self.locations = locations  # per parameter, every (module, attribute name) holding it
         self.buffer = buffer
+        self.training_state = TrainingState.IDLE
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
-        self.requires_grad_sync = True
-        self.mp_policy = mp_policy
-        self.sharded = buffer.params
+        self.reduce_grads = True  # set_requires_gradient_sync
+        self.all_reduce_grads = True  # set_requires_all_reduce (HSDP)
+        self.unshard_in_backward = True
+        self.reduce_scatter_unused_params = False
+        self.gradient_divide_factor: float | None = None
+        self.post_forward_indices: list[int] = []
+        self._make_unsharded()
+        self._hooked: set[int] = set()  # unsharded parameters with the has-grad hook
+        self._has_grad = [False] * len(self.sharded)
+        self._grads_live = False  # the gradient buffer holds this step's (accumulated) grads
+        self._mask = None  # (work, tensor): the has-grad all-reduce in flight
+        self._registered = self.sharded
+
+    def _make_unsharded(self) -> None:
+        self.sharded = self.buffer.params
         self.unsharded = [
             nn.Parameter(v, requires_grad=p.requires_grad)
-            for v, p in zip(buffer.unsharded_params, self.sharded)
+            for v, p in zip(self.buffer.unsharded_params, self.sharded)
         ]
-        self.root: "RootState | None" = None
-        self._pending = 0  # unsharded parameters still to receive their gradient this backward
-        self._in_backward = False
-        self._grads_ready = False  # the gradient buffer holds (accumulated) gradients
-        for p in self.unsharded:
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._post_accumulate)
+        self._hooked = set()
 
     # --- parameter registration --------------------------------------------------------------
 
@@ -82,163 +69,180 @@ class ParamGroup:
         for p, places in zip(params, self.locations):
             for mod, name in places:
                 mod._parameters[name] = p
+        self._registered = params
 
-    def unshard(self, async_op: bool = False):
+    @property
+    def is_unsharded(self) -> bool:
+        return self._registered is self.unsharded
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Start the all-gather unless the buffer already holds (or is gathering) the params."""
         if not self.buffer.is_unsharded:
-            return self.buffer.unshard(async_op=async_op)
-        return None
+            self.buffer.unshard(async_op=True)
+        if not async_op:
+            self.wait_for_unshard()
 
     def wait_for_unshard(self) -> None:
+        """Finish the all-gather and register the unsharded parameters in their modules."""
+        if not self.buffer.is_unsharded:
+            return
         self.buffer.wait_unshard()
+        for u, s in zip(self.unsharded, self.sharded):
+            if u.requires_grad != s.requires_grad:  # requires_grad_() after fully_shard
+                u.requires_grad_(s.requires_grad)
         self._register(self.unsharded)
 
     def reshard(self) -> None:
+        """Register the sharded parameters again and free the unsharded buffer."""
         self._register(self.sharded)
         self.buffer.reshard()
 
+    def apply_(self, fn) -> None:
+        """`Module._apply` on this group (see `DBuffer.apply_`)."""
+        self.finish_reduce()
+        self.reshard()
+        self._grads_live = False
+        if self.buffer.apply_(fn):
+            self._make_unsharded()
+        self._register(self.sharded)
+
+    def reset_sharded_param(self, i: int, value: torch.Tensor) -> None:
+        """Take `value` (what `load_state_dict(assign=True)` registered) into the DBuffer."""
+        p = self.sharded[i]
+        local = value.to_local() if hasattr(value, "to_local") else value
+        with torch.no_grad():
+            p.to_local().copy_(local.reshape(p.to_local().shape))
+        p.requires_grad_(value.requires_grad)
+
     # --- forward -----------------------------------------------------------------------------
 
-    def pre_forward(self, module, args, kwargs):
-        if self.root is not None:
-            self.root.pre_forward(self)
+    def pre_forward(self) -> None:
+        self.training_state = TrainingState.FORWARD
         self.unshard()
-        self.wait_for_unshard()
-        if self.root is not None:
-            self.root.prefetch_after(self)
-        dtype = self.mp_policy.param_dtype
-        if dtype is not None and self.mp_policy.cast_forward_inputs:
-            args, kwargs = _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
-        return args, kwargs
 
-    def post_forward(self, module, args, output):
-        if self.reshard_after_forward:
-            self.reshard()
-        if torch.is_grad_enabled():
-            tensors = [
-                t
-                for t in tree_flatten(output)[0]
-                if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, self._pre_backward, mode="any"
-                )
-        policy = self.mp_policy
-        if policy.output_dtype is not None:
-            output = tree_map(
-                lambda t: (
-                    t.to(policy.output_dtype)
-                    if isinstance(t, torch.Tensor) and t.is_floating_point()
-                    else t
-                ),
-                output,
-            )
-        return output
+    def post_forward(self, order: list["ParamGroup"], reshard: bool = True) -> None:
+        if reshard:
+            if self.reshard_after_forward:
+                self.reshard()
+            self.post_forward_indices.append(len(order))
+            order.append(self)
+        self.training_state = TrainingState.IDLE
 
     # --- backward ----------------------------------------------------------------------------
 
-    def _pre_backward(self, *unused: Any) -> None:
-        if self._in_backward:
-            return
-        self._in_backward = True
-        if self.root is not None:
-            self.root.pre_backward(self)
-        self.unshard()
-        self.wait_for_unshard()
-        if self.root is not None:
-            self.root.prefetch_before(self)
-        if not self._grads_ready:
-            grads = self.buffer.zero_unsharded_grads()
-            for p, g in zip(self.unsharded, grads):
-                if p.requires_grad:
-                    p.grad = g
-            self._grads_ready = True
-        self._pending = sum(1 for p in self.unsharded if p.requires_grad)
+    def _note_grad(self, i: int):
+        def hook(param: torch.Tensor) -> None:
+            self._has_grad[i] = True
 
-    def _post_accumulate(self, param: torch.Tensor) -> None:
-        self._pending -= 1
-        if self._pending == 0:
-            self.post_backward()
+        return hook
 
-    def post_backward(self) -> None:
-        """Reduce the gradients (unless gradient sync is off) and reshard; once per backward."""
-        if not self._in_backward:
+    def pre_backward(self) -> None:
+        """Unshard and bind the gradient buffer's views as the trainable parameters' `.grad`,
+        so autograd accumulates in place (a has-grad hook records which ones it reached)."""
+        if self.training_state == TrainingState.PRE_BACKWARD:
             return
-        self._in_backward = False
-        if self.requires_grad_sync:
-            self.buffer.reduce_grads(accumulate=True, async_op=True)
-            if self.root is not None:
-                self.root.reduce_launched(self)
-            for p in self.unsharded:
-                p.grad = None
-            self._grads_ready = False
+        self.training_state = TrainingState.PRE_BACKWARD
+        if self.unshard_in_backward:
+            self.unshard()
+        if not any(p.requires_grad for p in self.sharded):
+            return
+        if not self._grads_live or not self.buffer.grads_allocated:
+            self.buffer.zero_unsharded_grads()
+            self._grads_live = True
+        for i, (u, g) in enumerate(zip(self.unsharded, self.buffer.unsharded_grads)):
+            if not u.requires_grad:
+                continue
+            u.grad = g
+            if i not in self._hooked:
+                u.register_post_accumulate_grad_hook(self._note_grad(i))
+                self._hooked.add(i)
+
+    def post_backward(self, ctx) -> None:
+        """Reduce this backward's gradients (or keep them, without gradient sync) and reshard.
+
+        Idempotent within a pass: a second call without a pre-backward in between does nothing.
+        The reduce-scatter always covers the whole buffer, so it is the same collective on
+        every rank whatever each rank's data reached ([Note: fully_shard lifecycle]).
+        """
+        if self.training_state != TrainingState.PRE_BACKWARD:
+            if self.training_state == TrainingState.FORWARD:
+                self.training_state = TrainingState.POST_BACKWARD
+            return
+        self.training_state = TrainingState.POST_BACKWARD
+        for u in self.unsharded:
+            u.grad = None
+        if self._grads_live:
+            if not self.reduce_grads:
+                self.buffer.stash_grads()
+            else:
+                self._launch_reduce(ctx)
         if self.reshard_after_backward:
             self.reshard()
 
+    def _launch_reduce(self, ctx) -> None:
+        ctx.before_reduce(self)
+        buf = self.buffer
+        buf.reduce_grads(
+            accumulate=True,
+            divide_factor=self.gradient_divide_factor,
+            all_reduce=self.all_reduce_grads,
+            async_op=True,
+        )
+        trainable = [p.requires_grad for p in self.sharded]
+        mask = torch.tensor(
+            [h and t for h, t in zip(self._has_grad, trainable)], dtype=torch.uint8
+        )
+        self._has_grad = [False] * len(self.sharded)
+        self._grads_live = False
+        work, exchange = None, not self.reduce_scatter_unused_params
+        if exchange:
+            # Which parameters any rank reached: the others keep `.grad` as it was (None).
+            mask = mask.to(buf.device)
+            if buf.world > 1:
+                work = dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=buf.group, async_op=True)
+        else:  # torch's unused-params mode: every trainable parameter gets a gradient
+            mask = torch.tensor(trainable, dtype=torch.uint8)
+        self._mask = (work, mask, exchange)
 
-class RootState:
-    """Per root module: forward order, prefetching and the end-of-backward callback."""
+    def finish_reduce(self) -> None:
+        """Wait for this group's reduce-scatter (if any) and write the sharded gradients."""
+        if self._mask is None:
+            self.buffer.finish_reduce()
+            return
+        work, mask, exchange = self._mask
+        self._mask = None
+        if work is not None:
+            work.wait()
+        buf = self.buffer
+        for d in range(buf.mesh.ndim):
+            if exchange and d != buf.shard_dim and buf.mesh.size(d) > 1 and self.all_reduce_grads:
+                dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=buf.mesh.get_group(d))
+        buf.finish_reduce(bind=[bool(b) for b in mask.tolist()])
 
-    def __init__(self, groups: list[ParamGroup]):
-        self.groups = groups
-        for g in groups:
-            g.root = self
-        self.forward_order: list[ParamGroup] = []
-        self._recording = True
-        self._callback_queued = False
-        self._reducing: ParamGroup | None = None  # the group whose reduce-scatter is in flight
-        self.forward_prefetch: dict[ParamGroup, list[ParamGroup]] = {}
-        self.backward_prefetch: dict[ParamGroup, list[ParamGroup]] = {}
+    def finalize_backward(self, ctx, wait: bool = True) -> None:
+        """End of backward: post-backward if autograd never called it, wait for reductions."""
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            self.post_backward(ctx)
+        if wait:
+            self.finish_reduce()
+        if self.reshard_after_backward and self.is_unsharded and self.reduce_grads:
+            self.reshard()
+        self.post_forward_indices.clear()
+        self.training_state = TrainingState.IDLE
 
-    def pre_forward(self, group: ParamGroup) -> None:
-        if self._recording and group not in self.forward_order:
-            self.forward_order.append(group)
+    def reset(self) -> None:
+        """Drop everything in flight (`reset_iter_state` after an exception)."""
+        self.buffer.wait_unshard()
+        self._mask = None
+        self.buffer._reduce = None
+        self._grads_live = False
+        self._has_grad = [False] * len(self.sharded)
+        for u in self.unsharded:
+            u.grad = None
+        self.post_forward_indices.clear()
+        self.training_state = TrainingState.IDLE
+        self.reshard()
 
-    def prefetch_after(self, group: ParamGroup) -> None:
-        """Start the next all-gathers while `group` computes: the modules set with
-        `set_modules_to_forward_prefetch`, else the next group in the recorded forward order."""
-        targets = self.forward_prefetch.get(group)
-        if targets is None and not self._recording:
-            order = self.forward_order
-            i = order.index(group) if group in order else -1
-            targets = order[i + 1 : i + 2] if i >= 0 else []
-        for nxt in targets or ():
-            nxt.unshard(async_op=True)
+    def __repr__(self) -> str:
+        return f"ParamGroup({', '.join(self.fqns)})"
 
-    def prefetch_before(self, group: ParamGroup) -> None:
-        """Start the all-gathers backward needs next while `group`'s backward computes: the
-        modules set with `set_modules_to_backward_prefetch`, else the group before it in the
-        forward order."""
-        targets = self.backward_prefetch.get(group)
-        if targets is None:
-            order = self.forward_order
-            i = order.index(group) if group in order else -1
-            targets = order[i - 1 : i] if i > 0 else []
-        for nxt in targets:
-            nxt.unshard(async_op=True)
-
-    def pre_backward(self, group: ParamGroup) -> None:
-        self._recording = False
-        if not self._callback_queued:
-            self._callback_queued = True
-            Variable._execution_engine.queue_callback(self._finish_backward)
-
-
-    def reduce_launched(self, group: ParamGroup) -> None:
-        """Keep one reduce-scatter in flight: finish the previous one (freeing its gradient
-        buffer) now that the next is on the wire, so at most two gradient buffers are live."""
-        if self._reducing is not None and self._reducing is not group:
-            self._reducing.buffer.finish_reduce()
-        self._reducing = group
-
-    def _finish_backward(self) -> None:
-        self._callback_queued = False
-        order = list(reversed(self.forward_order or self.groups))
-        for g in order:
-            g.post_backward()
-        for g in order:  # the last reduce-scatter in flight (and any launched out of band)
-            g.buffer.finish_reduce()
-        self._reducing = None
-        for g in self.groups:
-            if g.reshard_after_backward and g.buffer.is_unsharded:
-                g.reshard()

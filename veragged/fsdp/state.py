@@ -1,0 +1,326 @@
+"""The state of one `fully_shard` call and the iteration it moves through.
+
+[Note: fully_shard lifecycle]
+Each `fully_shard` call makes one `FSDPState` holding one `ParamGroup` per parameter dtype.
+States and groups move through `TrainingState` (IDLE -> FORWARD -> IDLE -> PRE_BACKWARD ->
+POST_BACKWARD -> IDLE), always in the methods below, never elsewhere:
+- Lazy init (first forward or `unshard`): the first state to run is the root of its subtree;
+  every state below it shares the root's `StateContext` (all states in module order, the
+  post-forward order of this iteration, the one reduce-scatter in flight). With
+  `reshard_after_forward=None` the root keeps its parameters after forward, others reshard.
+- pre-forward (state FORWARD): all-gather into the DBuffer's unsharded buffer, register the
+  unsharded parameters, and wrap the tensor inputs in `RegisterPostBackwardFunction`, whose
+  backward runs post-backward once autograd is done with the whole module (so frozen
+  parameters the module's backward still needs are never freed early).
+- post-forward (state IDLE): reshard if asked, record the group in the post-forward order and
+  hook every output tensor that requires grad (found through dataclasses and containers); the
+  first hook to fire is the pre-backward.
+- pre-backward (PRE_BACKWARD): all-gather again if resharded; bind the gradient buffer's views
+  as `.grad` of the trainable unsharded parameters (autograd accumulates in place) and prefetch
+  the group that ran before it in forward (or the explicit `set_modules_to_backward_prefetch`).
+- post-backward (POST_BACKWARD): reduce-scatter the *whole* gradient buffer, a collective
+  whose shape does not depend on which parameters this rank's data reached, so ranks whose
+  data used different parameters (MoE routing, conditional branches) stay in step; one small
+  MAX all-reduce of a has-grad mask beside it decides which parameters get a `.grad` (a
+  parameter no rank reached keeps None, as with torch; `set_reduce_scatter_unused_params(True)`
+  gives every trainable parameter a gradient instead). Frozen parameters have no gradient view.
+  Launching a reduce-scatter finishes the one before, so at most two gradient buffers live.
+- The root's end-of-backward callback runs post-backward for every state of the tree that is
+  still in PRE_BACKWARD (modules whose inputs needed no gradient), waits for every reduction,
+  reshards and returns everything to IDLE. It covers every state, used this iteration or not.
+- Activation checkpointing: a forward that runs while the state is PRE_BACKWARD is a
+  recomputation; it only makes sure the parameters are unsharded and changes no state.
+Collectives are issued in forward order and reverse forward order of the modules that ran,
+which is the same on every rank when the same modules run.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.distributed.utils import _apply_to_tensors
+
+from veragged.fsdp.group import ParamGroup, TrainingState
+
+__all__ = ["FSDPState", "StateContext"]
+
+
+def _cast(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() and t.dtype != dtype:
+        return t.to(dtype)
+    return t
+
+
+def _grad_tensors(tree: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+
+    def visit(t):
+        if t.requires_grad:
+            found.append(t)
+        return t
+
+    _apply_to_tensors(visit, tree)
+    return found
+
+
+class StateContext:
+    """What the states under one root share for an iteration."""
+
+    def __init__(self) -> None:
+        self.all_states: list[FSDPState] = []
+        self.iter_forward_root: FSDPState | None = None
+        self.callback_queued = False
+        self.post_forward_order: list[ParamGroup] = []
+        self.reducing: ParamGroup | None = None  # the group whose reduce-scatter is in flight
+        self.is_last_backward = True  # False: the last reduce-scatter may stay in flight
+
+    def before_reduce(self, group: ParamGroup) -> None:
+        """Keep one reduce-scatter in flight: finish the previous one before the next."""
+        if self.reducing is not None and self.reducing is not group:
+            self.reducing.finish_reduce()
+        self.reducing = group
+
+
+class RegisterPostBackwardFunction(torch.autograd.Function):
+    """Identity on the module's inputs; its backward is the module's post-backward."""
+
+    @staticmethod
+    def forward(ctx, state: "FSDPState", *inputs: torch.Tensor):
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.state._post_backward()
+        return (None, *grads)
+
+
+class FSDPState:
+    """One `fully_shard` call: its modules, its parameter groups and their hooks."""
+
+    def __init__(self, modules: tuple[nn.Module, ...], groups: list[ParamGroup], mp_policy,
+                 auto_reshard_after_forward: bool):
+        self.modules = modules
+        self.groups = groups
+        self.mp_policy = mp_policy
+        self.training_state = TrainingState.IDLE
+        self.is_root: bool | None = None
+        self.ctx = StateContext()
+        self.auto_reshard_after_forward = auto_reshard_after_forward
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: list[FSDPState] | None = None  # None: the implicit order
+        self.modules_to_run: set[nn.Module] = set()
+        self.post_optim_event = None
+        for m in modules:
+            pre = functools.partial(self._module_pre_forward, m)
+            post = functools.partial(self._module_post_forward, m)
+            # The hooks gather, free and swap parameters: they run eagerly also when the module
+            # is compiled (torch.compile then compiles the forward between them).
+            m.register_forward_pre_hook(
+                torch.compiler.disable(pre), prepend=True, with_kwargs=True
+            )
+            m.register_forward_hook(torch.compiler.disable(post))
+
+    # --- lazy init ---------------------------------------------------------------------------
+
+    def lazy_init(self) -> None:
+        if self.is_root is not None:
+            return
+        if len(self.modules) > 1:
+            raise RuntimeError(
+                f"fully_shard needs a single root module, but the first forward ran on a "
+                f"group of {len(self.modules)} modules; apply fully_shard to their parent too"
+            )
+        self.is_root = True
+        ctx = self.ctx
+        for name, module in self.modules[0].named_modules():
+            state = getattr(module, "_veragged_state", None)
+            if state is None or state in ctx.all_states:
+                continue
+            if state is not self:
+                if state.is_root is not None:
+                    raise RuntimeError(
+                        f"fully_shard state of {name!r} was already initialised: run forward "
+                        "through the root module first"
+                    )
+                state.is_root = False
+            state.ctx = ctx
+            ctx.all_states.append(state)
+        if self.auto_reshard_after_forward:
+            for g in self.groups:
+                g.reshard_after_forward = False
+
+    # --- forward -----------------------------------------------------------------------------
+
+    def _module_pre_forward(self, module, _hooked, args, kwargs):
+        if len(self.modules) > 1 and not self.modules_to_run:
+            self.modules_to_run.update(self.modules)
+        return self._pre_forward(module, args, kwargs)
+
+    def _module_post_forward(self, module, _hooked, args, output):
+        if len(self.modules) > 1:
+            if module in self.modules_to_run:
+                self.modules_to_run.discard(module)
+                if self.modules_to_run:
+                    return self._cast_output(output)  # the group's forward is not complete
+            else:
+                return self._cast_output(output)
+        return self._post_forward(module, args, output)
+
+    def _pre_forward(self, module: nn.Module, args, kwargs):
+        """Pre-forward (also what `register_fsdp_forward_method` calls)."""
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            # Recomputation under activation checkpointing: parameters only.
+            for g in self.groups:
+                g.unshard()
+            return self._cast_inputs(args, kwargs)
+        first = self.training_state != TrainingState.FORWARD
+        self.training_state = TrainingState.FORWARD
+        if first:
+            self.lazy_init()
+            if self.ctx.iter_forward_root is None:
+                self.ctx.iter_forward_root = self
+                self._wait_post_optim()
+        args, kwargs = self._cast_inputs(args, kwargs)
+        for g in self.groups:
+            g.pre_forward()
+        if first:
+            if torch.is_grad_enabled() and self.groups:
+                args, kwargs = self._register_post_backward(args, kwargs)
+            for target in self.forward_prefetch:
+                for g in target.groups:
+                    g.unshard(async_op=True)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args, output):
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            return self._cast_output(output)
+        # A forward inside backward is a recomputation (reentrant activation checkpointing):
+        # its parameters stay unsharded for the backward that follows, as with torch.
+        in_backward = torch._C._current_graph_task_id() != -1
+        for g in self.groups:
+            g.post_forward(self.ctx.post_forward_order, reshard=not in_backward)
+        if torch.is_grad_enabled():
+            for t in _grad_tensors(output):
+                t.register_hook(self._pre_backward)
+        self.training_state = TrainingState.IDLE
+        if self.ctx.iter_forward_root is self:
+            self._complete_partial_groups(output)
+            self.ctx.iter_forward_root = None
+        return self._cast_output(output)
+
+    def _complete_partial_groups(self, output) -> None:
+        """`fully_shard([a, b])` groups of which forward ran only some modules."""
+        for state in reversed(self.ctx.all_states):
+            if state is self or not state.modules_to_run:
+                continue
+            state.modules_to_run.clear()
+            for g in state.groups:
+                g.post_forward(self.ctx.post_forward_order)
+            if torch.is_grad_enabled():
+                for t in _grad_tensors(output):
+                    t.register_hook(state._pre_backward)
+            state.training_state = TrainingState.IDLE
+
+    def _register_post_backward(self, args, kwargs):
+        tensors = _grad_tensors((args, kwargs))
+        if not tensors:
+            return args, kwargs
+        outs = iter(RegisterPostBackwardFunction.apply(self, *tensors))
+        ids = {id(t) for t in tensors}
+
+        def swap(t):
+            return next(outs) if id(t) in ids else t
+
+        return _apply_to_tensors(swap, args), _apply_to_tensors(swap, kwargs)
+
+    def _cast_inputs(self, args, kwargs):
+        dtype = self.mp_policy.param_dtype
+        if dtype is None or not self.mp_policy.cast_forward_inputs:
+            return args, kwargs
+        cast = functools.partial(_cast, dtype)
+        return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
+
+    def _cast_output(self, output):
+        dtype = self.mp_policy.output_dtype
+        if dtype is None:
+            return output
+        return _apply_to_tensors(functools.partial(_cast, dtype), output)
+
+    def _wait_post_optim(self) -> None:
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is not None:
+            event.wait()
+
+    # --- backward ----------------------------------------------------------------------------
+
+    @torch.compiler.disable
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            return grad
+        self.training_state = TrainingState.PRE_BACKWARD
+        ctx = self.ctx
+        if not ctx.callback_queued:
+            ctx.callback_queued = True
+            Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
+        for g in self.groups:
+            g.pre_backward()
+        if self.backward_prefetch is not None:
+            targets = [tg for st in self.backward_prefetch for tg in reversed(st.groups)]
+        else:
+            targets = self._implicit_backward_prefetch()
+        for g in targets:
+            if g.unshard_in_backward:
+                g.unshard(async_op=True)
+        return grad
+
+    def _implicit_backward_prefetch(self) -> list[ParamGroup]:
+        """The group that ran before this state's in this iteration's forward."""
+        order = self.ctx.post_forward_order
+        for g in self.groups:
+            if g.post_forward_indices:
+                i = g.post_forward_indices.pop()
+                if i > 0 and order[i - 1] not in self.groups:
+                    return [order[i - 1]]
+        return []
+
+    @torch.compiler.disable
+    def _post_backward(self) -> None:
+        for g in self.groups:
+            g.post_backward(self.ctx)
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            self.training_state = TrainingState.POST_BACKWARD
+
+    @torch.compiler.disable
+    def _root_post_backward_final_callback(self) -> None:
+        ctx = self.ctx
+        ctx.iter_forward_root = None
+        for state in reversed(ctx.all_states):
+            state.modules_to_run.clear()
+            for g in reversed(state.groups):
+                if g.training_state == TrainingState.PRE_BACKWARD:
+                    g.post_backward(ctx)
+        keep = None if ctx.is_last_backward else ctx.reducing
+        for state in reversed(ctx.all_states):
+            for g in reversed(state.groups):
+                g.finalize_backward(ctx, wait=g is not keep)
+            state.training_state = TrainingState.IDLE
+        ctx.reducing = keep
+        ctx.post_forward_order.clear()
+        ctx.callback_queued = False
+
+    def reset_iter_state(self) -> None:
+        ctx = self.ctx
+        for state in ctx.all_states or [self]:
+            state.modules_to_run.clear()
+            state.training_state = TrainingState.IDLE
+            for g in state.groups:
+                g.reset()
+        ctx.reducing = None
+        ctx.post_forward_order.clear()
+        ctx.iter_forward_root = None
+        ctx.callback_queued = False
