@@ -177,7 +177,8 @@ class DBuffer:
 
         `fn` sees the flat shard once. If it returns a new dtype or device, every buffer is
         re-made around the result and the old sharded parameters take the new contents in
-        place (`torch.utils.swap_tensors`), so modules and optimizers holding them stay valid.
+        place (`.data` and the DTensor fields; weak references and optimizer state keep
+        pointing at the same objects), so modules and optimizers holding them stay valid.
         Sharded gradients move with their parameters. Returns whether the buffers were re-made
         (the unsharded views are then new objects).
         """
@@ -194,10 +195,23 @@ class DBuffer:
         old_grads = [p.grad for p in self.params]
         old_shard_grad = self._shard_grad
         new_params = self._make_buffers(shard)
-        for old, fresh, grad in zip(self.params, new_params, old_grads):
-            fresh.requires_grad_(old.requires_grad)
+        for i, (old, fresh) in enumerate(zip(self.params, new_params)):
             old.grad = None
-            torch.utils.swap_tensors(old, fresh)
+            with torch._C.DisableTorchFunctionSubclass():
+                fresh.requires_grad_(old.requires_grad)
+            try:
+                torch.utils.swap_tensors(old, fresh)
+                continue
+            except RuntimeError:  # weakly referenced (hooks): keep the object, take the data
+                pass
+            try:
+                with torch._C.DisableTorchFunctionSubclass():
+                    old.data = fresh
+                    if hasattr(old, "grad_dtype"):
+                        old.grad_dtype = fresh.dtype
+                old._local_tensor, old._spec = fresh._local_tensor, fresh._spec
+            except RuntimeError:  # another device type: the new object replaces the old one
+                self.params[i] = fresh
         if old_shard_grad is not None and any(g is not None for g in old_grads):
             self._shard_grad = aligned_empty(self.shard_size, self.dtype, self.device)
             with torch.no_grad():
@@ -218,7 +232,10 @@ class DBuffer:
         local = buf[e.local[0] : e.local[1]]
         spec = make_spec(self.mesh, self.placements(e), e.shape, buf.dtype)
         dt = RaggedDTensor(local, spec, requires_grad=False)
-        return torch.nn.Parameter(dt, requires_grad=True) if requires_grad else dt
+        if not requires_grad:
+            return dt
+        trainable = buf.dtype.is_floating_point or buf.dtype.is_complex
+        return torch.nn.Parameter(dt, requires_grad=trainable)
 
     @staticmethod
     def _free(buf: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
 
 # Original parameters some fully_shard call took: a second call meeting one (a parameter tied
 # across two calls) raises instead of silently untying it.
-_MANAGED: "weakref.WeakSet[nn.Parameter]" = weakref.WeakSet()
+_MANAGED: "weakref.WeakValueDictionary[int, nn.Parameter]" = weakref.WeakValueDictionary()
 _CLASS_CACHE: dict[type, type] = {}  # one FSDP class per original class (torch.compile guards)
 
 
@@ -219,6 +219,11 @@ def _check_module(module: nn.Module) -> None:
         raise ValueError(f"fully_shard expects an nn.Module or a list of them, got {module!r}")
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        raise ValueError(
+            f"fully_shard does not take containers without a forward ({type(module).__name__}): "
+            "shard the modules in it, or the module that calls them"
+        )
     if isinstance(module, TorchFSDPModule):
         raise ValueError(
             f"{type(module).__name__} was already sharded by torch.distributed.fsdp.fully_shard"
@@ -312,7 +317,7 @@ def fully_shard(
                 "fully_shard or by tensor parallelism, which veragged.fully_shard does not "
                 "take yet"
             )
-        if p in _MANAGED:
+        if _MANAGED.get(id(p)) is p:
             raise ValueError(
                 f"parameter {fqn!r} is shared with a parameter already managed by another "
                 "fully_shard call; for shared/tied parameters, call fully_shard([module_a, "
@@ -338,8 +343,9 @@ def fully_shard(
             reduce_dtype=mp_policy.reduce_dtype,
         )
         for sharded, (_, p, _) in zip(buffer.params, entries):
-            sharded.requires_grad_(p.requires_grad)
-            _MANAGED.add(p)
+            with torch._C.DisableTorchFunctionSubclass():  # no ragged accumulation hooks
+                sharded.requires_grad_(p.requires_grad)
+            _MANAGED[id(p)] = p
         group = ParamGroup(
             [f for f, _, _ in entries],
             [loc for *_, loc in entries],

@@ -1,0 +1,474 @@
+"""Regression tests for the fully_shard lifecycle ([Note: fully_shard lifecycle]).
+
+Each scenario runs the same script under torch's `fully_shard` and `veragged.fully_shard` on 2
+gloo ranks (a persistent rank pool) and compares gradients and parameters; each failed on the
+runtime before the lifecycle rewrite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+import veragged
+from veragged.testing.pool import get_pool
+
+IMPLS = {"torch": torch_fully_shard, "veragged": veragged.fully_shard}
+
+
+def _full(t):
+    if t is None:
+        return None
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _grads(model):
+    return {n: _full(p.grad) for n, p in model.named_parameters()}
+
+
+def _params(model):
+    return {n: _full(p) for n, p in model.named_parameters()}
+
+
+def _same(a: dict, b: dict, atol=0.0):
+    assert a.keys() == b.keys(), (a.keys(), b.keys())
+    for k in a:
+        if a[k] is None or b[k] is None:
+            assert a[k] is None and b[k] is None, (k, a[k], b[k])
+        else:
+            torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
+
+
+class Block(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(self.norm(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, n=3, dim=8):
+        super().__init__()
+        self.inp = nn.Linear(4, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(n))
+        self.extra = Block(dim)  # used only when asked
+        self.out = nn.Linear(dim, 2)
+
+    def forward(self, x, use_extra=False, ckpt=False):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = checkpoint(b, h, use_reentrant=False) if ckpt else b(h)
+        if use_extra:
+            h = self.extra(h)
+        return self.out(h)
+
+
+def _shard(model, impl, **kw):
+    fs = IMPLS[impl]
+    for b in [*model.blocks, model.extra]:
+        fs(b, **kw)
+    fs(model, **kw)
+    return model
+
+
+def _data(step, rank=None):
+    g = torch.Generator().manual_seed(100 + step + (0 if rank is None else 7 * rank))
+    return torch.randn(3, 4, generator=g)
+
+
+def _run_both(fn, *args):
+    results = {}
+    for impl in IMPLS:
+        results[impl] = get_pool(2).run(fn, impl, *args)
+    return results
+
+
+# --- frozen parameters -------------------------------------------------------------------------
+
+def _frozen(impl):
+    torch.manual_seed(0)
+    model = Net()
+    for b in model.blocks:
+        b.norm.weight.requires_grad_(False)  # frozen weight inside a sharded block
+    model.out.bias.requires_grad_(False)
+    _shard(model, impl)
+    model.inp.weight.requires_grad_(False)  # changed after fully_shard
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    for step in range(3):
+        model(_data(step, dist.get_rank())).sum().backward()
+        grads = _grads(model)
+        optim.step()
+        optim.zero_grad()
+    return grads, _params(model)
+
+
+def test_frozen_parameters_match_torch():
+    res = _run_both(_frozen)
+    for rank in range(2):
+        (g_t, p_t), (g_v, p_v) = res["torch"][rank], res["veragged"][rank]
+        assert g_v["blocks.0.norm.weight"] is None and g_v["inp.weight"] is None
+        assert g_v["out.bias"] is None
+        _same(g_t, g_v, atol=1e-6)
+        _same(p_t, p_v, atol=1e-5)
+
+
+# --- a module used only from the second step on; ranks using different parameters -------------
+
+def _late(impl):
+    torch.manual_seed(0)
+    model = _shard(Net(), impl)
+    out = []
+    for step in range(3):
+        model(_data(step, dist.get_rank()), use_extra=step >= 1).sum().backward()
+        out.append(_grads(model))
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def test_module_used_late_gets_gradients():
+    res = _run_both(_late)
+    for rank in range(2):
+        for g_t, g_v in zip(res["torch"][rank], res["veragged"][rank]):
+            _same(g_t, g_v, atol=1e-6)
+        assert res["veragged"][rank][0]["extra.lin.weight"] is None
+        assert res["veragged"][rank][1]["extra.lin.weight"] is not None
+
+
+class Experts(nn.Module):
+    """Two experts in one sharded block; each rank routes to one of them only."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim)
+        self.unused = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.a(x) if dist.get_rank() == 0 else self.b(x)
+
+
+def _moe(impl, unused_mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Experts(), nn.Linear(8, 2))
+    fs = IMPLS[impl]
+    fs(model[1])
+    fs(model)
+    if unused_mode:
+        model.set_reduce_scatter_unused_params(True)
+    for step in range(2):
+        model(_data(step, dist.get_rank())).sum().backward()
+    return _grads(model)
+
+
+def test_ranks_using_different_parameters():
+    # torch needs set_reduce_scatter_unused_params(True) here (else its reduce-scatters differ
+    # across ranks); veragged's default reduce-scatter is the same on every rank already, and
+    # a parameter no rank used keeps grad None.
+    torch_res = get_pool(2).run(_moe, "torch", True)
+    ours = get_pool(2).run(_moe, "veragged", False)
+    ours_unused = get_pool(2).run(_moe, "veragged", True)
+    for rank in range(2):
+        t, v, vu = torch_res[rank], ours[rank], ours_unused[rank]
+        assert v["1.unused.weight"] is None and torch.count_nonzero(t["1.unused.weight"]) == 0
+        _same({k: x for k, x in t.items() if "unused" not in k},
+              {k: x for k, x in v.items() if "unused" not in k}, atol=1e-6)
+        _same(t, vu, atol=1e-6)
+
+
+# --- activation checkpointing, two forwards before one backward, dataclass outputs -----------
+
+def _checkpointed(impl):
+    torch.manual_seed(0)
+    model = _shard(Net(n=6), impl)
+    peak = [0]
+    if impl == "veragged":
+        groups = [g for m in model.modules() if hasattr(m, "_veragged_state")
+                  for g in m._veragged_state.groups]
+
+        def count(*_):
+            peak[0] = max(peak[0], sum(g.buffer.is_unsharded for g in groups))
+
+        for b in model.blocks:
+            b.lin.register_forward_hook(count)
+    x1, x2 = _data(0, dist.get_rank()), _data(1, dist.get_rank())
+    loss = model(x1, ckpt=True).sum() - 0.5 * model(x2, ckpt=True).sum()  # DPO-like
+    loss.backward()
+    return _grads(model), peak[0]
+
+
+def test_checkpoint_and_two_forwards():
+    res = _run_both(_checkpointed)
+    for rank in range(2):
+        (g_t, _), (g_v, peak) = res["torch"][rank], res["veragged"][rank]
+        _same(g_t, g_v, atol=1e-6)
+        assert peak <= 3, peak  # root + the block being recomputed (+ one prefetch)
+
+
+@dataclasses.dataclass
+class Out:
+    h: torch.Tensor
+    aux: torch.Tensor
+
+
+class DataclassBlock(Block):
+    def forward(self, x):
+        h = super().forward(x)
+        return Out(h, h.mean())
+
+
+class DataclassNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(4, 8), DataclassBlock(), nn.Linear(8, 2)
+
+    def forward(self, x):
+        o = self.block(self.inp(x))
+        return self.out(o.h).sum() + o.aux
+
+
+def _dataclass(impl):
+    torch.manual_seed(0)
+    model = DataclassNet()
+    fs = IMPLS[impl]
+    fs(model.block)
+    fs(model)
+    for step in range(2):
+        model(_data(step, dist.get_rank())).backward()
+    return _grads(model)
+
+
+def test_dataclass_outputs():
+    res = _run_both(_dataclass)
+    for rank in range(2):
+        _same(res["torch"][rank], res["veragged"][rank], atol=1e-6)
+
+
+# --- tied parameters -----------------------------------------------------------------------------
+
+def _tied(impl):
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(10, 8), nn.Linear(8, 10, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    fs = IMPLS[impl]
+    try:
+        fs(emb)
+        fs(head)
+        return "no error"
+    except ValueError as e:
+        return str(e)
+
+
+def _tied_grouped(impl):
+    torch.manual_seed(0)
+    emb, mid, head = nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, mid, head)
+    fs = IMPLS[impl]
+    fs([emb, head])
+    fs(model)
+    ids = torch.randint(0, 10, (3, 5), generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(ids).sum().backward()
+    return _grads(model), model[0].weight is model[2].weight
+
+
+def test_tied_parameters():
+    msg = get_pool(2).run(_tied, "veragged")[0]
+    assert "shared" in msg and "weight" in msg, msg
+    res = _run_both(_tied_grouped)
+    for rank in range(2):
+        (g_t, tied_t), (g_v, tied_v) = res["torch"][rank], res["veragged"][rank]
+        assert tied_t and tied_v
+        _same(g_t, g_v, atol=1e-6)
+
+
+# --- mixed precision accumulation ----------------------------------------------------------------
+
+def _bf16_accumulation(impl):
+    torch.manual_seed(0)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = _shard(Net(), impl, mp_policy=policy)
+    for micro in range(4):
+        model.set_requires_gradient_sync(micro == 3)
+        model(_data(micro, dist.get_rank())).float().sum().backward()
+    return _grads(model)
+
+
+def test_no_sync_accumulates_in_reduce_dtype():
+    res = _run_both(_bf16_accumulation)
+    for rank in range(2):
+        _same(res["torch"][rank], res["veragged"][rank], atol=1e-5)
+
+
+# --- interop and arguments -----------------------------------------------------------------------
+
+def _interop(impl):
+    torch.manual_seed(0)
+    model = _shard(Net(), impl, reshard_after_forward=None)
+    out = {"isinstance": isinstance(model, TorchFSDPModule),
+           "one_class": type(model.blocks[0]) is type(model.blocks[1])}
+    model(_data(0))
+    # root keeps its parameters after forward (None: the root does not reshard)
+    out["root_unsharded"] = not isinstance(model.inp.weight, DTensor)
+    out["block_sharded"] = isinstance(model.blocks[0].lin.weight, DTensor)
+    out["state_dict_sharded"] = all(isinstance(v, DTensor) for v in model.state_dict().values())
+    return out
+
+
+def test_interop_and_reshard_none():
+    res = get_pool(2).run(_interop, "veragged")
+    ref = get_pool(2).run(_interop, "torch")
+    assert res == ref, (res, ref)
+    assert all(res[0].values()), res
+
+
+def _bad_inputs():
+    errors = {}
+    cases = {
+        "non_module": lambda: veragged.fully_shard("model"),
+        "twice": lambda: veragged.fully_shard(veragged.fully_shard(nn.Linear(2, 2))),
+        "torch_sharded": lambda: veragged.fully_shard(torch_fully_shard(nn.Linear(2, 2))),
+        "zero_dim": lambda: veragged.fully_shard(_ZeroDim()),
+        "mesh": lambda: veragged.fully_shard(nn.Linear(2, 2), mesh="cpu"),
+        "container": lambda: veragged.fully_shard(nn.ModuleList([nn.Linear(2, 2)])),
+        "reshard_int": lambda: veragged.fully_shard(nn.Linear(2, 2), reshard_after_forward=3),
+    }
+    for name, fn in cases.items():
+        try:
+            fn()
+            errors[name] = None
+        except (ValueError, NotImplementedError) as e:
+            errors[name] = str(e)
+    return errors
+
+
+class _ZeroDim(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.0))
+
+
+def test_bad_inputs_name_the_value():
+    errors = get_pool(2).run(_bad_inputs)[0]
+    assert "'model'" in errors["non_module"]
+    assert "already applied" in errors["twice"]
+    assert "torch.distributed.fsdp" in errors["torch_sharded"]
+    assert "'scale'" in errors["zero_dim"] and "0-dim" in errors["zero_dim"]
+    assert "'cpu'" in errors["mesh"]
+    assert "ModuleList" in errors["container"]
+    assert "reshard_after_forward=3" in errors["reshard_int"]
+
+
+# --- mixed dtypes, world of one ------------------------------------------------------------------
+
+class WithInts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.lin64 = nn.Linear(4, 4).double()
+        self.steps = nn.Parameter(torch.arange(6), requires_grad=False)
+
+    def forward(self, x):
+        return self.lin(x).double().sum() + self.lin64(x.double()).sum() + self.steps.sum()
+
+
+def _dtypes(impl):
+    torch.manual_seed(0)
+    model = WithInts()
+    veragged.fully_shard(model)
+    model(_data(0)[:, :4]).backward()
+    state = model._veragged_state
+    return (len(state.groups), {n: _full(p.grad) for n, p in model.named_parameters()},
+            _full(model.steps))
+
+
+def test_one_dbuffer_per_dtype():
+    n, grads, steps = get_pool(2).run(_dtypes, "veragged")[0]
+    assert n == 3 and grads["steps"] is None and torch.equal(steps, torch.arange(6))
+    assert grads["lin64.weight"].dtype == torch.float64
+
+
+def _world_one():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", [dist.get_rank()])
+    torch.manual_seed(0)
+    model = Net()
+    ref = Net()
+    ref.load_state_dict(model.state_dict())
+    _shard(model, "veragged", mesh=mesh)
+    calls = []
+    originals = {n: getattr(dist, n) for n in
+                 ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")}
+    for n, f in originals.items():
+        setattr(dist, n, lambda *a, _n=n, _f=f, **k: calls.append(_n) or _f(*a, **k))
+    try:
+        x = _data(0)
+        model(x).sum().backward()
+    finally:
+        for n, f in originals.items():
+            setattr(dist, n, f)
+    ref(x).sum().backward()
+    return calls, _grads(model), _grads(ref)
+
+
+def test_world_of_one_issues_no_collectives():
+    calls, got, ref = get_pool(2).run(_world_one)[0]
+    assert calls == []
+    _same(ref, got)
+
+
+@pytest.mark.parametrize("cast", ["double", "to_float64"])
+def test_module_to_dtype_after_fully_shard(cast):
+    res = _run_both(_cast_after, cast)
+    for rank in range(2):
+        _same(res["torch"][rank], res["veragged"][rank], atol=1e-10)
+
+
+def _cast_after(impl, cast):
+    torch.manual_seed(0)
+    model = _shard(Net(), impl)
+    model = model.double() if cast == "double" else model.to(torch.float64)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        model(_data(step, dist.get_rank()).double()).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    return _params(model)
+
+
+def _meta_init(impl):
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Net()
+    _shard(model, impl)
+    model.to_empty(device="cpu")
+    torch.manual_seed(1)
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.LayerNorm)):
+            m.reset_parameters()
+    torch.manual_seed(1)
+    ref = Net()
+    torch.manual_seed(1)
+    for m in ref.modules():
+        if isinstance(m, (nn.Linear, nn.LayerNorm)):
+            m.reset_parameters()
+    model(_data(0)).sum().backward()
+    return _params(model), _params(ref)
+
+
+def test_meta_device_init():
+    got, ref = get_pool(2).run(_meta_init, "veragged")[0]
+    _same(ref, got)  # random init of sharded parameters equals one process's, bitwise
