@@ -22,7 +22,14 @@ call is shipped to `get_pool(self.world_size)` (veragged.testing.pool) as (file,
 method, impl); each rank imports the test module from its file, selects the implementation,
 seeds as torch's FSDPTest does (`set_rng_seed()`), calls the port's own `setUp`/`tearDown` if it
 defines them, and runs the original method body. A port's `setUp`/`tearDown` only run on the
-ranks, never in the driver. `unittest.SkipTest` raised on a rank skips the test.
+ranks, never in the driver. `unittest.SkipTest` raised on a rank skips the test. While a test
+runs, torch's model zoo (`common_fsdp.fully_shard`, used by e.g. `MLPStack.parallelize`) shards
+with the implementation under test too.
+
+Also here: `torch_only(reason)` (skips a test that inspects FSDP2's private state on the veragged
+class), `compiled_fsdp_test` (torch's decorator, patching the dispatching `fully_shard`), and
+`FSDPTest.conformance_timeout_s` (per-class limit of one test, default 120 s; pytest-timeout's
+limit is raised to match). Ports alias `FSDPTestMultiThread = FSDPTest`: ranks are processes.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ __all__ = ["IMPLS", "DEFAULT_TIMEOUT_S", "FSDPTest", "compiled_fsdp_test", "devi
 
 IMPLS = ("torch", "veragged")
 DEFAULT_TIMEOUT_S = 120.0
+_POOL_START_ALLOWANCE_S = 180.0  # pytest-timeout: the class's limit plus a (re)start of the pool
+_PYTEST_TIMEOUT = importlib.util.find_spec("pytest_timeout") is not None
 device_type = "cpu"
 
 _IMPL = "torch"  # implementation under test in this (rank) process; set by _run_test
@@ -67,9 +76,34 @@ def _impl_fully_shard() -> Callable[..., Any]:
     return impl
 
 
-def fully_shard(*args: Any, **kwargs: Any) -> Any:
-    """`torch.distributed.fsdp.fully_shard` or `veragged.fully_shard`, per `impl_name()`."""
-    return _impl_fully_shard()(*args, **kwargs)
+class _FullyShard:
+    """`torch.distributed.fsdp.fully_shard` or `veragged.fully_shard`, per `impl_name()`.
+
+    Compares equal to both (torch's tests use `fully_shard != torch.distributed.fsdp.fully_shard`
+    to tell the eager function from `compiled_fsdp_test`'s compiling wrapper)."""
+
+    __name__ = __qualname__ = "fully_shard"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _impl_fully_shard()(*args, **kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
+        from torch.distributed.fsdp import fully_shard as torch_impl
+        from veragged import fully_shard as veragged_impl
+        return other is torch_impl or other is veragged_impl
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"<conformance fully_shard -> {_IMPL}>"
+
+
+fully_shard = _FullyShard()
 
 
 def compiled_fsdp_test(compile_compute_on_module: Optional[type] = None):
@@ -216,6 +250,8 @@ def _run_test(path: str, module_name: str, qualname: str, method: str,
     for part in qualname.split("."):
         cls = getattr(cls, part)
     _IMPL, _IN_RANK = impl, True
+    zoo_fully_shard = common_fsdp.fully_shard  # MLPStack.parallelize etc. shard with it
+    common_fsdp.fully_shard = fully_shard
     try:
         torch._dynamo.reset()
         set_rng_seed()  # as torch's FSDPTest does in each rank before the test
@@ -234,6 +270,7 @@ def _run_test(path: str, module_name: str, qualname: str, method: str,
         return str(exc) or "skipped"
     finally:
         _IMPL, _IN_RANK = "torch", False
+        common_fsdp.fully_shard = zoo_fully_shard
     return None
 
 
@@ -253,5 +290,9 @@ def instantiate_conformance_tests(scope: dict) -> None:
                     if attr_name.startswith("test") and reason is not None:
                         namespace[attr_name] = unittest.skip(f"torch_only: {reason}")(
                             getattr(base, attr_name))
+            if _PYTEST_TIMEOUT:  # pytest-timeout's limit follows the class's own
+                import pytest
+                namespace["pytestmark"] = [pytest.mark.timeout(
+                    base.conformance_timeout_s + _POOL_START_ALLOWANCE_S)]
             scope[f"{name}_{impl}"] = type(f"{name}_{impl}", (base,), namespace)
         del scope[name]

@@ -34,6 +34,7 @@ from unittest import mock
 
 from veragged.testing.multiprocess import (
     _THREAD_VARS,
+    MultiRankError,
     _collect,
     _die_with_parent,
     _dump_stacks,
@@ -85,14 +86,27 @@ class RankPool:
                             f"(define fn at module level): {exc!r}") from exc
         if not self.alive:
             self._start()
-        for conn in self._jobs:
-            with contextlib.suppress(OSError):  # a dead rank shows up as "died" below
-                conn.send_bytes(job)
         label = f"RankPool.run({getattr(fn, '__qualname__', fn)!s}, world_size={self.world_size})"
-        self._wait(label, timeout)
+        try:
+            for conn in self._jobs:
+                with contextlib.suppress(OSError):  # a dead rank shows up as "died" below
+                    conn.send_bytes(job)
+            self._wait(label, timeout)
+        except BaseException as exc:  # e.g. KeyboardInterrupt, pytest-timeout: ranks mid-job
+            if not isinstance(exc, MultiRankError):
+                self.shutdown()
+            raise
         return self._results
 
     def _start(self) -> None:
+        try:
+            self._spawn()
+        except BaseException as exc:
+            if not isinstance(exc, MultiRankError):  # _wait already shut down for those
+                self.shutdown()
+            raise
+
+    def _spawn(self) -> None:
         self._tmpdir = tempfile.mkdtemp(prefix="veragged_pool_")
         ctx = get_context("spawn")
         config = (self.world_size, self.timeout_s, os.getpid(), self._tmpdir)
