@@ -81,7 +81,8 @@ def _worker(kind, dim, layers, steps):
     peak = torch.tensor([_rss_mib() - rss0], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if kind == "veragged":
-        groups = [m._veragged_group for m in model.modules() if isinstance(m, veragged.FSDPModule)]
+        groups = {g for m in model.modules() if isinstance(m, veragged.FSDPModule)
+                  for g in m._veragged_state.groups}
         padding = sum(gr.buffer.layout.padding for gr in groups)
     else:
         padding = sum(

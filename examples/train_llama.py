@@ -120,8 +120,10 @@ def main():
         max_seq=args.seq,
         tie_embeddings=args.tie,
     )
-    torch.manual_seed(0)
-    with torch.device(device):
+    # Built on the meta device (no memory), sharded, then materialised shard by shard: how large
+    # models are built. init_weights draws what the constructor would, so the result equals a
+    # model built directly under the same seed.
+    with torch.device("meta"):
         model = Llama(cfg)
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -132,6 +134,9 @@ def main():
     for block in model.blocks:
         veragged.fully_shard(block, mesh=mesh, mp_policy=mp, granularity_fn=blocks)
     veragged.fully_shard(model, mesh=mesh, mp_policy=mp, granularity_fn=blocks)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    model.init_weights()
     opt = make_optimizer(args, model)
 
     start = 0

@@ -216,7 +216,7 @@ def _container_root_and_api():
     # Backward prefetch: model[2]'s backward starts model[0]'s all-gather without waiting.
     model.zero_grad(set_to_none=True)
     model[2].set_modules_to_backward_prefetch([model[0]])
-    group0 = model[0]._veragged_group
+    group0 = model[0]._veragged_state.groups[0]
     calls, unshard = [], group0.unshard
     group0.unshard = lambda async_op=False: calls.append(async_op) or unshard(async_op)
     model(x).sum().backward()

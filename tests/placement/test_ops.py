@@ -180,7 +180,8 @@ def _unsupported_ops():
         full.clone().requires_grad_(), mesh, [RaggedShard((0,), (1, 2, 0, 3))]
     )
     return {
-        "sum": _raises(lambda: a.sum(), NotImplementedError, "aten.sum"),
+        "sum_dim": _raises(lambda: a.sum(0), NotImplementedError, "all dims"),
+        "cumsum": _raises(lambda: a.cumsum(0), NotImplementedError, "aten.cumsum"),
         "view": _raises(lambda: a.view(4, 6), NotImplementedError, "aten.view"),
         "matmul": _raises(lambda: a @ full.T, (ValueError, NotImplementedError), "RaggedShard"),
         "norm_dim": _raises(
@@ -189,7 +190,7 @@ def _unsupported_ops():
         "layouts": _raises(lambda: a + b, ValueError, "identical layouts"),
         "plain_tensor": _raises(lambda: a + full, ValueError, "0-dim tensors"),
         "shard0": _raises(lambda: a + s0, ValueError, "0-dim tensors"),
-        "random": _raises(lambda: a.normal_(), NotImplementedError, "normal_"),
+        "random_values": _raises(lambda: torch.bernoulli(a), NotImplementedError, "bernoulli"),
         "autograd": _raises(lambda: x * 2, NotImplementedError, "autograd"),
         "async_method": _raises(
             lambda: a.redistribute(mesh, [Replicate()], async_op=True),

@@ -16,7 +16,13 @@ DTensor subclass; 2.11's C++ dispatch fast path skips a subclass's `__torch_disp
 - `torch.linalg.vector_norm` over all dims and `torch._foreach_norm` (what `clip_grad_norm_`
   calls) reduce locally and then all-reduce once over the sharded mesh dims; they return
   Replicate DTensors, which torch handles from there.
-- Everything else raises NotImplementedError naming the op. Autograd does not flow through
+- Full reductions (`sum`, `mean`, `max`, `all`, ..., `torch.equal`, `torch.allclose`) work the
+  same way: [Note: reductions on RaggedShard] (reductions.py).
+- Random ops (`normal_`, `uniform_`, ..., `rand_like`) and `torch.nn.init` give bitwise the
+  one-process result: [Note: random ops on RaggedShard] (random_ops.py). `new_tensor` returns a
+  plain tensor, as torch's DTensor does.
+- Everything else raises NotImplementedError naming the op (so does `aten.equal` reached below
+  `torch.equal`, whose result depends on every shard). Autograd does not flow through
   these ops: a differentiable op on an input that requires grad, with grad mode on, raises too.
 """
 
@@ -30,6 +36,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from veragged.placement.random_ops import RANDOM_FUNCTIONS, RANDOM_PACKETS, random_op
+from veragged.placement.reductions import REDUCTION_FUNCTIONS, REDUCTION_PACKETS
 
 __all__ = ["handle_torch_function"]
 
@@ -78,8 +87,8 @@ def _allowed(func) -> bool:
     if func in _FACTORIES:
         return True
     tags = func.tags
-    if torch.Tag.nondeterministic_seeded in tags:
-        return False
+    if torch.Tag.nondeterministic_seeded in tags or torch.Tag.data_dependent_output in tags:
+        return False  # random ops and aten.equal: see random_ops.py and reductions.py
     if torch.Tag.pointwise in tags:
         return True
     name = func._schema.name.split("::", 1)[-1]
@@ -91,9 +100,9 @@ def _allowed(func) -> bool:
 def _unsupported(func, placements) -> NotImplementedError:
     return NotImplementedError(
         f"{func} is not supported on RaggedShard DTensors (placements {tuple(placements)}): only "
-        "element-wise ops, _foreach_* ops, fused optimizer ops, *_like factories, "
-        "torch.linalg.vector_norm over all dims and clip_grad_norm_ run on them; redistribute to "
-        "Replicate or Shard first"
+        "element-wise ops, _foreach_* ops, fused optimizer ops, *_like factories, random ops, "
+        "reductions over all dims, torch.linalg.vector_norm over all dims and clip_grad_norm_ "
+        "run on them; redistribute to Replicate or Shard first"
     )
 
 
@@ -325,7 +334,21 @@ def _foreach_norm(tensors, ord=2, dtype=None):
     return _global_norms(list(tensors), ord, dtype)
 
 
-_SPECIAL = {torch.linalg.vector_norm: _vector_norm, torch._foreach_norm: _foreach_norm}
+def _new_tensor(x, *args, **kwargs):
+    """`x.new_tensor(data)`: a plain tensor, as torch's DTensor gives (dtype/device from x)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor.new_tensor(x._local_tensor, *args, **kwargs)
+
+
+_INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
+
+_SPECIAL = {
+    torch.linalg.vector_norm: _vector_norm,
+    torch._foreach_norm: _foreach_norm,
+    torch.Tensor.new_tensor: _new_tensor,
+    **RANDOM_FUNCTIONS,
+    **REDUCTION_FUNCTIONS,
+}
 
 
 def handle_torch_function(func, args, kwargs):
@@ -343,7 +366,16 @@ def handle_torch_function(func, args, kwargs):
         return out
     special = _SPECIAL.get(func)
     if special is not None:
-        return special(*args, **kwargs)
+        out = special(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+    if func in _INDEXING and len(args) > 1 and args[1] is not Ellipsis:
+        # The local tensor is the flat shard: only x[...] (all elements) means the same on it.
+        # (nn.init.sparse_ and dirac_ index, for example.)
+        raise NotImplementedError(
+            f"indexing a RaggedShard DTensor ({_name(func)} with index {args[1]!r}) is not "
+            "supported; redistribute to Replicate or Shard first"
+        )
     uargs, ukwargs, refs, locals_to_dt = _unwrap(_name(func), args, kwargs)
     needs_grad = torch.is_grad_enabled() and any(dt.requires_grad for dt in locals_to_dt.values())
     if not needs_grad and _elementwise(func):  # fast path: every overload is allowed
@@ -385,6 +417,13 @@ def _elementwise(func) -> bool:
 def handle_torch_dispatch(func, args, kwargs):
     """`RaggedDTensor.__torch_dispatch__`: aten ops that reach the subclass without a torch function
     call (e.g. gradient accumulation in the autograd engine, on torch versions that call it)."""
+    packet = getattr(func, "overloadpacket", None)
+    if packet in RANDOM_PACKETS:
+        return random_op(func, args, kwargs)
+    if packet in REDUCTION_PACKETS:
+        out = REDUCTION_PACKETS[packet](*args, **kwargs)
+        if out is not NotImplemented:
+            return out
     if not _allowed(func):
         flat, _ = tree_flatten((args, kwargs))
         dt = next(x for x in flat if _is_ragged_dt(x))

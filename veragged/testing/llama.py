@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,22 @@ class Llama(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every weight as the constructor does, drawing the same random numbers in
+        the same order, so a model built on the meta device (then `to_empty`) and initialised
+        here under the same seed equals one built directly (also when sharded)."""
+        for m in self.modules():
+            if m is self.head and self.cfg.tie_embeddings:
+                # the untied head drew its own weight before the constructor tied it
+                nn.init.kaiming_uniform_(torch.empty(self.head.weight.shape), a=math.sqrt(5))
+            elif isinstance(m, (nn.Linear, nn.Embedding)):
+                m.reset_parameters()
+                if m is self.embed:
+                    nn.init.normal_(self.embed.weight, std=0.02)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
