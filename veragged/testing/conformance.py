@@ -200,7 +200,7 @@ def _shipped(name: str, fn: Callable) -> Callable:
             return fn(self, *args, **kwargs)
         cls = type(self)
         results = get_pool(self.world_size).run(
-            _run_test, inspect.getfile(cls), cls.__module__, cls.__qualname__, name,
+            _run_test, inspect.getfile(cls), cls.__module__, cls.__qualname__, self._testMethodName,
             cls._conformance_impl or "torch", timeout=cls.conformance_timeout_s)
         skips = [r for r in results if r is not None]
         if skips:
