@@ -266,7 +266,7 @@ def _comparison_checks(world):
     shape, p = _cases(world)[0]
     full = torch.randn(shape)
     x, y = _dist(full, [p]), _dist(full.clone(), [p])
-    units = p.local_units
+    flat = _dist(torch.zeros(91), [RaggedShard((0,), p.local_units)])  # 91 = 7 * 13 elements
     other_units = tuple(reversed(p.local_units))
     z = _dist(full, [RaggedShard(p.dims, other_units)])
     changed = full.clone()
@@ -277,8 +277,7 @@ def _comparison_checks(world):
         "equal_method": x.equal(y) is True,
         "equal_changed": torch.equal(x, w) is False,  # on every rank, not only the holder
         "equal_other_layout": torch.equal(x, z) is True,
-        "equal_other_shape": torch.equal(x, _dist(torch.zeros(91), [RaggedShard((0,), units)]))
-        is False,
+        "equal_other_shape": torch.equal(x, flat) is False,
         "equal_plain": _raises(lambda: torch.equal(x, full), ValueError, "full_tensor()"),
         "allclose": torch.allclose(x, y + 1e-7) is True,
         "allclose_changed": torch.allclose(x, w) is False,

@@ -7,17 +7,17 @@ holding 0 elements, `dims=()` and 2-D meshes with Replicate, Shard or StridedRag
 - every rank draws the *full* tensor (the global shape, row-major, the local tensor's dtype and
   device) from the generator it is given (the default generator of that device if none), with
   the op's own arguments; the draw is identical on all ranks because their generator states are
-  (same seed: every rank must seed the same way, as FSDP init already requires);
+  (every rank must have seeded it the same way, e.g. `torch.manual_seed(s)` everywhere; this is
+  not checked, as a check would cost a collective per op);
 - each rank copies its own elements out of it: the block it holds under the other placements
   and then its ragged rows of that block ([Note: ragged layout on an N-D mesh]), so replicate
   ranks of an HSDP mesh get the same values;
 - the generator ends advanced exactly as the full draw left it, the same on every rank and the
   same as in one process, so the next op (random or not) stays in step.
-Nothing is communicated. The cost is one full-size temporary per call (global numel x itemsize
-bytes, freed at return) and the time to draw the full tensor on every rank; for the parameter
-sizes FSDP initialises one at a time this is the price of the bitwise guarantee. (torch's own
-DTensor offsets a Philox counter per shard instead, which needs a counter-based generator and
-does not equal the one-process draw.)
+Nothing is communicated. The cost is one full-size temporary per call on every rank (global
+numel x itemsize bytes, e.g. 4 GiB for a 128k x 8192 fp32 embedding; freed when the op returns,
+so `trunc_normal_`'s several draws never hold two) and the time to draw the full tensor on every
+rank: the price of the bitwise guarantee. Tensors on the meta device draw nothing.
 
 Covered: in-place `normal_`, `uniform_`, `bernoulli_` (float or 0-dim p), `exponential_`,
 `random_`, `log_normal_`, `cauchy_`, `geometric_`, and the `rand_like`, `randn_like`,
