@@ -49,10 +49,9 @@ class ParamGroup:
         self.gradient_divide_factor: float | None = None
         self.post_forward_indices: list[int] = []
         self._make_unsharded()
-        self._hooked: set[int] = set()  # unsharded parameters with the has-grad hook
         self._has_grad = [False] * len(self.sharded)
         self._grads_live = False  # the gradient buffer holds this step's (accumulated) grads
-        self._mask = None  # (work, tensor): the has-grad all-reduce in flight
+        self._mask = None  # (work, mask, exchanged): the has-grad mask of the launched reduce
         self._registered = self.sharded
 
     def _make_unsharded(self) -> None:
@@ -61,7 +60,7 @@ class ParamGroup:
             nn.Parameter(v, requires_grad=p.requires_grad)
             for v, p in zip(self.buffer.unsharded_params, self.sharded)
         ]
-        self._hooked = set()
+        self._hooked: set[int] = set()  # unsharded parameters with the has-grad hook
 
     # --- parameter registration --------------------------------------------------------------
 

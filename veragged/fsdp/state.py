@@ -204,9 +204,7 @@ class FSDPState:
         in_backward = torch._C._current_graph_task_id() != -1
         for g in self.groups:
             g.post_forward(self.ctx.post_forward_order, reshard=not in_backward)
-        if torch.is_grad_enabled():
-            for t in _grad_tensors(output):
-                t.register_hook(self._pre_backward)
+        self._hook_pre_backward(output)
         self.training_state = TrainingState.IDLE
         if self.ctx.iter_forward_root is self:
             self._complete_partial_groups(output)
@@ -221,10 +219,14 @@ class FSDPState:
             state.modules_to_run.clear()
             for g in state.groups:
                 g.post_forward(self.ctx.post_forward_order)
-            if torch.is_grad_enabled():
-                for t in _grad_tensors(output):
-                    t.register_hook(state._pre_backward)
+            state._hook_pre_backward(output)
             state.training_state = TrainingState.IDLE
+
+    def _hook_pre_backward(self, output) -> None:
+        """The first gradient to reach any output tensor runs this state's pre-backward."""
+        if torch.is_grad_enabled():
+            for t in _grad_tensors(output):
+                t.register_hook(self._pre_backward)
 
     def _register_post_backward(self, args, kwargs):
         tensors = _grad_tensors((args, kwargs))
