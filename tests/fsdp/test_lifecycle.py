@@ -146,6 +146,38 @@ def test_module_used_late_gets_gradients():
         assert res["veragged"][rank][1]["extra.lin.weight"] is not None
 
 
+class Reused(Net):
+    """One block run three times in one forward: three backwards of it, one step."""
+
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(3):
+            h = self.blocks[0](h)
+            with torch.no_grad():
+                h += self.blocks[0](h)  # in place: h keeps its autograd history
+        return self.out(h)
+
+
+def _reused(impl, reshard):
+    torch.manual_seed(0)
+    model = _shard(Reused(), impl, reshard_after_forward=reshard)
+    out = []
+    for step in range(2):
+        model(_data(step, dist.get_rank())).sum().backward()
+        out.append(_grads(model))
+        model.zero_grad(set_to_none=step == 0)
+    return out
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_module_used_several_times_in_one_forward(reshard):
+    res = _run_both(_reused, reshard)
+    for rank in range(2):
+        assert res["veragged"][rank][0]["blocks.0.lin.weight"] is not None
+        for g_t, g_v in zip(res["torch"][rank], res["veragged"][rank]):
+            _same(g_t, g_v, atol=1e-6)
+
+
 class Experts(nn.Module):
     """Two experts in one sharded block; each rank routes to one of them only."""
 

@@ -145,6 +145,9 @@ class ParamGroup:
             self.unshard()
         if not any(p.requires_grad for p in self.sharded):
             return
+        # A module run more than once in forward has one backward per run: the reduce-scatter
+        # of an earlier one still reads the gradient buffer this one is about to zero.
+        self.finish_reduce()
         if not self._grads_live or not self.buffer.grads_allocated:
             self.buffer.zero_unsharded_grads()
             self._grads_live = True
