@@ -229,6 +229,8 @@ class ParamGroup:
             self.finish_reduce()
         if self.reshard_after_backward and self.is_unsharded and self.reduce_grads:
             self.reshard()
+        elif not self.is_unsharded and self.buffer.is_unsharded:
+            self.buffer.reshard()  # a prefetch no backward used: its values go stale at step()
         self.post_forward_indices.clear()
         self.training_state = TrainingState.IDLE
 
