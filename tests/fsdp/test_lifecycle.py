@@ -376,6 +376,9 @@ def _bad_inputs():
         "mesh": lambda: veragged.fully_shard(nn.Linear(2, 2), mesh="cpu"),
         "container": lambda: veragged.fully_shard(nn.ModuleList([nn.Linear(2, 2)])),
         "reshard_int": lambda: veragged.fully_shard(nn.Linear(2, 2), reshard_after_forward=3),
+        "channels_last": lambda: veragged.fully_shard(
+            nn.Conv2d(2, 2, 3).to(memory_format=torch.channels_last)
+        ),
     }
     for name, fn in cases.items():
         try:
@@ -397,7 +400,8 @@ def test_bad_inputs_name_the_value():
     assert "'model'" in errors["non_module"]
     assert "already applied" in errors["twice"]
     assert "torch.distributed.fsdp" in errors["torch_sharded"]
-    assert "'scale'" in errors["zero_dim"] and "0-dim" in errors["zero_dim"]
+    assert "Change scale to a 1D tensor" in errors["zero_dim"]  # torch's wording
+    assert "non-contiguous" in errors["channels_last"]
     assert "'cpu'" in errors["mesh"]
     assert "ModuleList" in errors["container"]
     assert "reshard_after_forward=3" in errors["reshard_int"]

@@ -9,6 +9,9 @@
 #   - world_size 2 (was min(4, cuda device_count) / min(cuda device_count, 2) / 2);
 #   - @skip_if_lt_x_gpu(2) and @unittest.skipIf(not TEST_CUDA, "no cuda") removed;
 #   - run_tests() -> instantiate_conformance_tests(globals()).
+#
+# `check_sharded_parity` is imported from veragged.testing.conformance: torch's assertions, with
+# the reference distributed by veragged.distribute_tensor (torch's rejects RaggedShard).
 
 import collections
 import copy
@@ -21,7 +24,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel.scatter_gather import _is_namedtuple
 from torch.testing._internal.common_fsdp import (
-    check_sharded_parity,
     DoubleLinear,
     MLP,
 )
@@ -31,6 +33,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
 )
 
 from veragged.testing.conformance import (
+    check_sharded_parity,
     FSDPTest,
     device_type,
     fully_shard,

@@ -26,6 +26,9 @@
 #     fully_shard on CPU: a divide factor other than the shard group size makes FSDP2
 #     reduce-scatter with ReduceOp.PREMUL_SUM, and gloo raises "Cannot use
 #     ReduceOp.PREMUL_SUM with Gloo" (subtests divide_factor=2*world_size, and mesh (2, 1)).
+#
+# `check_sharded_parity` is imported from veragged.testing.conformance: torch's assertions, with
+# the reference distributed by veragged.distribute_tensor (torch's rejects RaggedShard).
 
 import copy
 import functools
@@ -55,7 +58,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.testing._internal.common_fsdp import (
-    check_sharded_parity,
     DoubleLinear,
     MLP,
     patch_post_backward,
@@ -76,6 +78,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from veragged.testing.conformance import (
+    check_sharded_parity,
     device_type as _conformance_device_type,
     FSDPTest,
     fully_shard,

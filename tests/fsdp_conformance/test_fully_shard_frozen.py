@@ -14,6 +14,9 @@
 # torch_only (skipped on veragged): test_train_mixed_requires_grad_per_group and
 # test_train_mixed_requires_grad_across_groups patch and count FSDP2's private
 # RegisterPostBackwardFunction.backward and assert it ran, which no other implementation can do.
+#
+# `check_sharded_parity` is imported from veragged.testing.conformance: torch's assertions, with
+# the reference distributed by veragged.distribute_tensor (torch's rejects RaggedShard).
 
 import copy
 import functools
@@ -29,7 +32,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import (
     RegisterPostBackwardFunction,
 )
 from torch.testing._internal.common_fsdp import (
-    check_sharded_parity,
     MLP,
     patch_reduce_scatter,
     patch_register_post_backward_hook_backward,
@@ -37,6 +39,7 @@ from torch.testing._internal.common_fsdp import (
 )
 
 from veragged.testing.conformance import (
+    check_sharded_parity,
     FSDPTest,
     device_type,
     fully_shard,

@@ -25,6 +25,9 @@
 #     limitation: the CPU batch_norm kernel rejects a bf16/fp16 input with fp32 running stats
 #     ("expected scalar type BFloat16 but found Float" in the BatchNorm1d case, before the
 #     test's CPU branch for BatchNorm2d), while CUDA's kernel accepts it.
+#
+# `check_sharded_parity` is imported from veragged.testing.conformance: torch's assertions, with
+# the reference distributed by veragged.distribute_tensor (torch's rejects RaggedShard).
 
 import copy
 import dataclasses
@@ -43,7 +46,6 @@ from torch.testing._internal.common_distributed import (
     SaveForwardInputsModel,
 )
 from torch.testing._internal.common_fsdp import (
-    check_sharded_parity,
     MLP,
     patch_reduce_scatter,
     reduce_scatter_with_assert,
@@ -58,6 +60,7 @@ from torch.testing._internal.common_utils import (
 from torch.utils.checkpoint import checkpoint
 
 from veragged.testing.conformance import (
+    check_sharded_parity,
     device_type as _conformance_device_type,
     FSDPTest,
     fully_shard,

@@ -14,6 +14,9 @@
 # aten._scaled_dot_product_flash_attention_for_cpu, which has no DTensor sharding strategy) and
 # TestFullyShardShareCommContext (wraps FSDP2's private foreach_reduce with the signature of a
 # torch newer than 2.15: TypeError with torch 2.15).
+#
+# `check_sharded_parity` is imported from veragged.testing.conformance: torch's assertions, with
+# the reference distributed by veragged.distribute_tensor (torch's rejects RaggedShard).
 
 import contextlib
 import copy
@@ -45,7 +48,6 @@ from torch.distributed.tensor import DTensor, init_device_mesh, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.common_distributed import skip_if_rocm_arch_multiprocess
 from torch.testing._internal.common_fsdp import (
-    check_sharded_parity,
     MLP,
     MLPStack,
     patch_all_gather,
@@ -68,6 +70,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
 )
 
 from veragged.testing.conformance import (
+    check_sharded_parity,
     compiled_fsdp_test,
     FSDPTest,
     fully_shard,

@@ -219,7 +219,9 @@ def _check_module(module: nn.Module) -> None:
         raise ValueError(f"fully_shard expects an nn.Module or a list of them, got {module!r}")
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and (
+        type(module).forward is nn.Module.forward  # never called: its hooks would never run
+    ):
         raise ValueError(
             f"fully_shard does not take containers without a forward ({type(module).__name__}): "
             "shard the modules in it, or the module that calls them"
@@ -282,9 +284,14 @@ def fully_shard(
     mesh = mesh if mesh is not None else _default_mesh()
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a DeviceMesh, got {mesh!r}")
-    if mesh.ndim not in (1, 2):
+    if mesh.ndim not in (1, 2):  # torch's wording, as its tests and users match on it
         raise ValueError(
-            f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim} dims: {mesh}"
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} (1-D: shard; 2-D: "
+            f"(replicate, shard))"
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise AssertionError(  # torch raises AssertionError here too
+            f"Please init the 2D mesh for HSDP with mesh_dim_names specified (got {mesh})"
         )
     shard_world = mesh.size(mesh.ndim - 1)
     auto = reshard_after_forward is None
@@ -325,8 +332,15 @@ def fully_shard(
             )
         if p.ndim == 0:
             raise ValueError(
-                f"parameter {fqn!r} is 0-dim (shape ()); fully_shard needs at least one "
-                "dimension: reshape it to (1,) or pass it in ignored_params"
+                f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor "
+                "with numel equal to 1 (or pass it in ignored_params)."
+            )
+        if not p.is_contiguous():
+            # The DBuffer would hold a contiguous copy: the unsharded parameter would silently
+            # lose its memory format (channels_last), so refuse as torch does.
+            raise NotImplementedError(
+                f"FSDP does not support non-contiguous parameters yet: {fqn!r} has shape "
+                f"{tuple(p.shape)} and stride {p.stride()}"
             )
     by_dtype: dict[torch.dtype, list] = {}
     for entry in params:

@@ -86,17 +86,29 @@ class StateContext:
 
 
 class RegisterPostBackwardFunction(torch.autograd.Function):
-    """Identity on the module's inputs; its backward is the module's post-backward."""
+    """Identity on the module's inputs; its backward is the module's post-backward.
+
+    Written in the `setup_context` style with a `jvp` and a generated vmap rule, so functorch
+    transforms (`torch.func.jvp`, `vmap`) can run through a sharded module."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, state: "FSDPState", *inputs: torch.Tensor):
-        ctx.state = state
+    def forward(state: "FSDPState", *inputs: torch.Tensor):
         return inputs
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.state = inputs[0]
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         ctx.state._post_backward()
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx, state_tangent, *tangents: torch.Tensor):
+        return tangents  # identity; the state has no tangent
 
 
 class FSDPState:
@@ -135,19 +147,31 @@ class FSDPState:
                 f"fully_shard needs a single root module, but the first forward ran on a "
                 f"group of {len(self.modules)} modules; apply fully_shard to their parent too"
             )
-        self.is_root = True
-        ctx = self.ctx
+        found: list[tuple[str, FSDPState]] = []
         for name, module in self.modules[0].named_modules():
             state = getattr(module, "_veragged_state", None)
-            if state is None or state in ctx.all_states:
+            if state is None or any(state is s for _, s in found):
                 continue
-            if state is not self:
-                if state.is_root is not None:
-                    raise RuntimeError(
-                        f"fully_shard state of {name!r} was already initialised: run forward "
-                        "through the root module first"
-                    )
-                state.is_root = False
+            if state is not self and state.is_root is not None:
+                raise RuntimeError(
+                    f"fully_shard state of {name!r} was already initialised: run forward "
+                    "through the root module first"
+                )
+            on_meta = [
+                f"{name}.{fqn}" if name else fqn
+                for g in state.groups if g.buffer.device.type == "meta" for fqn in g.fqns
+            ]
+            if on_meta:  # torch's wording; nothing was initialised, so a retry starts over
+                raise RuntimeError(
+                    "FSDP parameters should be materialized from meta device before training, "
+                    f"but the following were still on meta device: {on_meta}\n"
+                    "For example, call module.to_empty(device) to materialize to device and "
+                    "call module.reset_parameters() on each module to initialize values."
+                )
+            found.append((name, state))
+        ctx = self.ctx
+        for _, state in found:
+            state.is_root = state is self
             state.ctx = ctx
             ctx.all_states.append(state)
         if self.auto_reshard_after_forward:
@@ -179,9 +203,10 @@ class FSDPState:
                 g.unshard()
             return self._cast_inputs(args, kwargs)
         first = self.training_state != TrainingState.FORWARD
-        self.training_state = TrainingState.FORWARD
         if first:
             self.lazy_init()
+        self.training_state = TrainingState.FORWARD
+        if first:
             if self.ctx.iter_forward_root is None:
                 self.ctx.iter_forward_root = self
                 self._wait_post_optim()

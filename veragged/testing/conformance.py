@@ -26,7 +26,9 @@ ranks, never in the driver. `unittest.SkipTest` raised on a rank skips the test.
 runs, torch's model zoo (`common_fsdp.fully_shard`, used by e.g. `MLPStack.parallelize`) shards
 with the implementation under test too.
 
-Also here: `torch_only(reason)` (skips a test that inspects FSDP2's private state on the veragged
+Also here: `check_sharded_parity` (torch's, distributing the reference with
+`veragged.distribute_tensor`, which knows RaggedShard and hands torch's placements to torch's
+`distribute_tensor`), `torch_only(reason)` (skips a test that inspects FSDP2's private state on the veragged
 class), `compiled_fsdp_test` (torch's decorator, patching the dispatching `fully_shard`), and
 `FSDPTest.conformance_timeout_s` (per-class limit of one test, default 120 s; pytest-timeout's
 limit is raised to match). Ports alias `FSDPTestMultiThread = FSDPTest`: ranks are processes.
@@ -50,8 +52,8 @@ from torch.testing._internal.common_utils import TestCase, set_rng_seed
 
 from veragged.testing.pool import get_pool
 
-__all__ = ["IMPLS", "DEFAULT_TIMEOUT_S", "FSDPTest", "compiled_fsdp_test", "device_type",
-           "fully_shard", "impl_name", "instantiate_conformance_tests", "torch_only"]
+__all__ = ["IMPLS", "DEFAULT_TIMEOUT_S", "FSDPTest", "check_sharded_parity",
+           "compiled_fsdp_test", "device_type", "fully_shard", "impl_name", "instantiate_conformance_tests", "torch_only"]
 
 IMPLS = ("torch", "veragged")
 DEFAULT_TIMEOUT_S = 120.0
@@ -143,6 +145,41 @@ def compiled_fsdp_test(compile_compute_on_module: Optional[type] = None):
         return wrapper
 
     return decorator
+
+
+def check_sharded_parity(cls, replicated_module, sharded_module, prefixes_to_ignore=()):
+    """torch's `common_fsdp.check_sharded_parity`, with the same assertions: each sharded
+    parameter (and gradient) equals the replicated one distributed with the sharded one's mesh
+    and placements. The reference is distributed by `veragged.distribute_tensor`, since torch's
+    `distribute_tensor` rejects placements it does not define (RaggedShard); for torch's own
+    placements it calls torch's."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from veragged import distribute_tensor
+
+    for (replicated_name, replicated_param), (sharded_name, sharded_param) in zip(
+        replicated_module.named_parameters(), sharded_module.named_parameters(), strict=True
+    ):
+        clean_sharded_name = sharded_name
+        for prefix in prefixes_to_ignore:
+            clean_sharded_name = clean_sharded_name.replace(prefix, "")
+        cls.assertEqual(replicated_name, clean_sharded_name)
+        cls.assertIsInstance(sharded_param, DTensor)
+        mesh, placements = sharded_param.device_mesh, sharded_param.placements
+        if tuple(placements) == (Shard(0), Shard(0)):
+            raise AssertionError(
+                "FSDP's (Shard(0), Shard(0)) layout differs from distribute_tensor(), "
+                "so we cannot check for equality using it"
+            )
+        sharded_ref_param = distribute_tensor(replicated_param, mesh, placements)
+        cls.assertEqual(sharded_param.to_local(), sharded_ref_param.to_local())
+        if replicated_param.grad is None:
+            cls.assertIsNone(sharded_param.grad)
+            continue
+        cls.assertIsNotNone(sharded_param.grad)
+        sharded_ref_grad = distribute_tensor(replicated_param.grad, mesh, placements)
+        cls.assertIsInstance(sharded_param.grad, DTensor)
+        cls.assertEqual(sharded_param.grad.to_local(), sharded_ref_grad.to_local())
 
 
 def torch_only(reason: str) -> Callable:
