@@ -54,9 +54,13 @@ def distribute_tensor(
     mesh = _mesh(device_mesh)
     if placements is None or ragged_mesh_dim(placements) is None:
         return _torch_distribute_tensor(tensor, mesh, placements, src_data_rank=src_data_rank)
-    if isinstance(tensor, DTensor):
+    if isinstance(tensor, DTensor):  # as torch: already distributed this way, or an error
+        if tensor.device_mesh == mesh and tuple(tensor.placements) == tuple(placements):
+            return tensor
         raise ValueError(
-            "distribute_tensor expects a torch.Tensor, got a DTensor; use redistribute"
+            f"Cannot distribute a DTensor with mesh {tensor.device_mesh} and placements "
+            f"{tensor.placements} to mesh {mesh} and placements {tuple(placements)}; use "
+            "redistribute"
         )
     if tensor.device.type != mesh.device_type and not tensor.is_meta:
         tensor = tensor.to(mesh.device_type)
