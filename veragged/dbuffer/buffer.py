@@ -377,11 +377,14 @@ class DBuffer:
         if not async_op:
             self.finish_reduce()
 
-    def finish_reduce(self, bind: Sequence[bool] | None = None) -> None:
+    def finish_reduce(self, bind: Sequence[bool] | None = None, hook=None) -> None:
         """Wait for a launched reduce-scatter and write the sharded gradients (no-op if none).
 
         `bind[i]` says whether tensor i receives its gradient (default: every tensor); the
-        others keep their `.grad` as it was (None stays None).
+        others keep their `.grad` as it was (None stays None). `hook`, if given, is
+        `(fn, stream)`: `fn(reduced)` runs on this rank's reduced shard (the SUM, after the HSDP
+        all-reduce, before the division and cast; torch's `set_all_reduce_hook`), in `stream`'s
+        context if not None.
         """
         if self._reduce is None:
             return
@@ -397,6 +400,13 @@ class DBuffer:
                 if all_reduce and self.mesh.size(d) > 1:
                     dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.mesh.get_group(d))
                 replicas *= self.mesh.size(d)
+        if hook is not None:
+            fn, stream = hook
+            if stream is None:
+                fn(reduced)
+            else:
+                with torch.get_device_module(self.device.type).stream(stream):
+                    fn(reduced)
         if divide_factor is not None:
             scale = 1.0 / divide_factor
         else:

@@ -129,6 +129,34 @@ class FSDPModule(TorchFSDPModule):
 
     set_reduce_scatter_divide_factor = set_gradient_divide_factor
 
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
+                                             recurse: bool = True) -> None:
+        """How many reduce-scatters (each with its gradient buffer) may be in flight at once:
+        more overlap of an exposed reduce-scatter for more peak memory. Default 1; the tree
+        uses the largest value any of its modules asked for (as torch)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int >= 1, got {max_input_buffers!r}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
+        for state in self._states(recurse):
+            state.max_reduce_scatter_buffers = max_input_buffers
+        ctx = self._veragged_state.ctx
+        if ctx.all_states:  # already initialised: resolve again
+            ctx.max_reducing = max(s.max_reduce_scatter_buffers for s in ctx.all_states)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
+                            stream: torch.Stream | None = None) -> None:
+        """`hook(reduced)` runs on each reduced gradient shard after the reduce-scatter (and
+        the HSDP all-reduce), before the division by the world size and the cast; in `stream`
+        if given (not with native HSDP, whose all-reduce decides the stream, as torch)."""
+        groups = self._veragged_state.groups
+        if stream is not None and any(g.buffer.mesh.ndim > 1 for g in groups):
+            raise ValueError("stream cannot be set when using native HSDP")
+        for g in groups:
+            g.all_reduce_hook = (hook, stream)
+
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Accepted: veragged always reduces with SUM on the wire and divides after."""
 
@@ -146,11 +174,9 @@ class FSDPModule(TorchFSDPModule):
 
     set_custom_all_gather = _unsupported("set_custom_all_gather")
     set_custom_reduce_scatter = _unsupported("set_custom_reduce_scatter")
-    set_all_reduce_hook = _unsupported("set_all_reduce_hook")
     set_manual_backward_finalization = _unsupported("set_manual_backward_finalization")
     finalize_backward = _unsupported("finalize_backward")
     set_keep_unsharded_storage = _unsupported("set_keep_unsharded_storage")
-    set_reduce_scatter_max_input_buffers = _unsupported("set_reduce_scatter_max_input_buffers")
     set_separate_reduce_scatter_group = _unsupported("set_separate_reduce_scatter_group")
     set_allocate_memory_from_process_group_for_comm = _unsupported(
         "set_allocate_memory_from_process_group_for_comm"

@@ -47,6 +47,7 @@ class ParamGroup:
         self.unshard_in_backward = True
         self.reduce_scatter_unused_params = False
         self.gradient_divide_factor: float | None = None
+        self.all_reduce_hook = None  # (fn, stream): set_all_reduce_hook
         self.post_forward_indices: list[int] = []
         self._make_unsharded()
         self._has_grad = [False] * len(self.sharded)
@@ -209,7 +210,7 @@ class ParamGroup:
     def finish_reduce(self) -> None:
         """Wait for this group's reduce-scatter (if any) and write the sharded gradients."""
         if self._mask is None:
-            self.buffer.finish_reduce()
+            self.buffer.finish_reduce(hook=self.all_reduce_hook)
             return
         work, mask, exchange = self._mask
         self._mask = None
@@ -219,7 +220,7 @@ class ParamGroup:
         for d in range(buf.mesh.ndim):
             if exchange and d != buf.shard_dim and buf.mesh.size(d) > 1 and self.all_reduce_grads:
                 dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=buf.mesh.get_group(d))
-        buf.finish_reduce(bind=[bool(b) for b in mask.tolist()])
+        buf.finish_reduce(bind=[bool(b) for b in mask.tolist()], hook=self.all_reduce_hook)
 
     def finalize_backward(self, ctx, wait: bool = True) -> None:
         """End of backward: post-backward if autograd never called it, wait for reductions."""

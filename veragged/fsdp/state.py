@@ -75,14 +75,18 @@ class StateContext:
         self.iter_forward_root: FSDPState | None = None
         self.callback_queued = False
         self.post_forward_order: list[ParamGroup] = []
-        self.reducing: ParamGroup | None = None  # the group whose reduce-scatter is in flight
+        self.reducing: list[ParamGroup] = []  # groups whose reduce-scatter is in flight, oldest first
+        self.max_reducing = 1  # set_reduce_scatter_max_input_buffers: max over the states
         self.is_last_backward = True  # False: the last reduce-scatter may stay in flight
 
     def before_reduce(self, group: ParamGroup) -> None:
-        """Keep one reduce-scatter in flight: finish the previous one before the next."""
-        if self.reducing is not None and self.reducing is not group:
-            self.reducing.finish_reduce()
-        self.reducing = group
+        """Keep at most `max_reducing` reduce-scatters (each holding its gradient buffer) in
+        flight: finish the oldest before launching the next."""
+        if group in self.reducing:
+            self.reducing.remove(group)
+        while len(self.reducing) >= self.max_reducing:
+            self.reducing.pop(0).finish_reduce()
+        self.reducing.append(group)
 
 
 class RegisterPostBackwardFunction(torch.autograd.Function):
@@ -127,6 +131,7 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] | None = None  # None: the implicit order
         self.modules_to_run: set[nn.Module] = set()
         self.post_optim_event = None
+        self.max_reduce_scatter_buffers = 1  # set_reduce_scatter_max_input_buffers
         for m in modules:
             pre = functools.partial(self._module_pre_forward, m)
             post = functools.partial(self._module_post_forward, m)
@@ -174,6 +179,8 @@ class FSDPState:
             state.is_root = state is self
             state.ctx = ctx
             ctx.all_states.append(state)
+        # One pipeline of reduce-scatters for the tree: the largest cap any state asked for.
+        ctx.max_reducing = max(s.max_reduce_scatter_buffers for _, s in found)
         if self.auto_reshard_after_forward:
             for g in self.groups:
                 g.reshard_after_forward = False
@@ -331,10 +338,10 @@ class FSDPState:
             for g in reversed(state.groups):
                 if g.training_state == TrainingState.PRE_BACKWARD:
                     g.post_backward(ctx)
-        keep = None if ctx.is_last_backward else ctx.reducing
+        keep = [] if ctx.is_last_backward else ctx.reducing
         for state in reversed(ctx.all_states):
             for g in reversed(state.groups):
-                g.finalize_backward(ctx, wait=g is not keep)
+                g.finalize_backward(ctx, wait=g not in keep)
             state.training_state = TrainingState.IDLE
         ctx.reducing = keep
         ctx.post_forward_order.clear()
@@ -347,7 +354,7 @@ class FSDPState:
             state.training_state = TrainingState.IDLE
             for g in state.groups:
                 g.reset()
-        ctx.reducing = None
+        ctx.reducing = []
         ctx.post_forward_order.clear()
         ctx.iter_forward_root = None
         ctx.callback_queued = False
