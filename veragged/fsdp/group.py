@@ -220,7 +220,14 @@ class ParamGroup:
         for d in range(buf.mesh.ndim):
             if exchange and d != buf.shard_dim and buf.mesh.size(d) > 1 and self.all_reduce_grads:
                 dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=buf.mesh.get_group(d))
-        buf.finish_reduce(bind=[bool(b) for b in mask.tolist()], hook=self.all_reduce_hook)
+        bind = [bool(b) for b in mask.tolist()]
+        buf.finish_reduce(bind=bind, hook=self.all_reduce_hook)
+        # Hooks registered on the sharded parameters run once their gradient is written (as
+        # torch's, e.g. an optimizer step in backward): autograd never accumulates into them.
+        for p, b in zip(self.sharded, bind):
+            if b and p.grad is not None:
+                for fn in tuple((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
+                    fn(p)
 
     def finalize_backward(self, ctx, wait: bool = True) -> None:
         """End of backward: post-backward if autograd never called it, wait for reductions."""

@@ -13,9 +13,9 @@ DTensor subclass; 2.11's C++ dispatch fast path skips a subclass's `__torch_disp
   DTensors). The Python function runs on the local tensors under `_Allowlist`, a dispatch mode
   that lets only those aten ops through, so a composite function that reduces or reshapes
   inside raises instead of computing on one shard.
-- `torch.linalg.vector_norm` over all dims and `torch._foreach_norm` (what `clip_grad_norm_`
-  calls) reduce locally and then all-reduce once over the sharded mesh dims; they return
-  Replicate DTensors, which torch handles from there.
+- Vector norms (`torch.linalg.vector_norm`, `torch.linalg.norm`, `Tensor.norm`, ...) over all
+  dims or over dims that keep the ragged-sharded rows, and `torch._foreach_norm` (what
+  `clip_grad_norm_` calls): [Note: norms on RaggedShard] (norms.py).
 - Full reductions (`sum`, `mean`, `max`, `all`, ..., `torch.equal`, `torch.allclose`) work the
   same way: [Note: reductions on RaggedShard] (reductions.py).
 - Random ops (`normal_`, `uniform_`, ..., `rand_like`) and `torch.nn.init` give bitwise the
@@ -28,15 +28,13 @@ DTensor subclass; 2.11's C++ dispatch fast path skips a subclass's `__torch_disp
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.distributed.tensor.placement_types import Partial
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from veragged.placement.norms import NORM_FUNCTIONS, NORM_PACKETS
 from veragged.placement.random_ops import RANDOM_FUNCTIONS, RANDOM_PACKETS, random_op
 from veragged.placement.reductions import REDUCTION_FUNCTIONS, REDUCTION_PACKETS
 
@@ -101,8 +99,8 @@ def _unsupported(func, placements) -> NotImplementedError:
     return NotImplementedError(
         f"{func} is not supported on RaggedShard DTensors (placements {tuple(placements)}): only "
         "element-wise ops, _foreach_* ops, fused optimizer ops, *_like factories, random ops, "
-        "reductions over all dims, torch.linalg.vector_norm over all dims and clip_grad_norm_ "
-        "run on them; redistribute to Replicate or Shard first"
+        "reductions over all dims, vector norms (over all dims or the non-ragged dims) and "
+        "clip_grad_norm_ run on them; redistribute to Replicate or Shard first"
     )
 
 
@@ -246,94 +244,6 @@ def _name(func) -> str:
     return getattr(func, "__name__", None) or str(func)
 
 
-# --- norms -------------------------------------------------------------------------------------
-
-
-def _sharded_mesh_dims(dt: DTensor) -> tuple[int, ...]:
-    for p in dt.placements:
-        if isinstance(p, Partial):
-            raise ValueError(
-                f"the norm of a DTensor with Partial placements {dt.placements} "
-                "needs a reduction first"
-            )
-    return tuple(i for i, p in enumerate(dt.placements) if not isinstance(p, Replicate))
-
-
-def _norm_parts(locals_: list[torch.Tensor], ord: float, dtype) -> torch.Tensor:
-    """Per tensor, the local quantity whose all-reduce gives the global norm.
-
-    See `_global_norms`.
-    """
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    parts = []
-    for t in locals_:
-        t = t.to(dtype) if dtype is not None else t
-        if t.numel() == 0:
-            parts.append(
-                torch.tensor(math.inf if ord == -math.inf else 0.0, dtype=acc, device=t.device)
-            )
-        elif ord in (math.inf, -math.inf, 0):
-            parts.append(torch.linalg.vector_norm(t, ord).to(acc))
-        else:
-            parts.append(torch.linalg.vector_norm(t, ord).to(acc).pow(ord))
-    return torch.stack(parts)
-
-
-def _reduce_op(ord: float):
-    return {math.inf: dist.ReduceOp.MAX, -math.inf: dist.ReduceOp.MIN}.get(ord, dist.ReduceOp.SUM)
-
-
-def _global_norms(dts: list[DTensor], ord, dtype) -> list[DTensor]:
-    """Norms of whole RaggedShard DTensors as 0-dim Replicate DTensors.
-
-    One all-reduce per mesh dim.
-    """
-    ord = float(ord)
-    out: list[DTensor | None] = [None] * len(dts)
-    groups: dict[tuple, list[int]] = {}
-    for i, dt in enumerate(dts):
-        groups.setdefault((dt.device_mesh, _sharded_mesh_dims(dt)), []).append(i)
-    for (mesh, mesh_dims), index in groups.items():
-        parts = _norm_parts([dts[i]._local_tensor for i in index], ord, dtype)
-        for d in mesh_dims:
-            dist.all_reduce(parts, op=_reduce_op(ord), group=mesh.get_group(d))
-        if ord not in (math.inf, -math.inf, 0):
-            parts = parts.pow(1.0 / ord)
-        for j, i in enumerate(index):
-            value = parts[j].to(dtype or dts[i].dtype)
-            out[i] = DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return out
-
-
-def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
-    if out is not None:
-        raise NotImplementedError(
-            "torch.linalg.vector_norm(out=...) is not supported on RaggedShard DTensors"
-        )
-    if dim is not None:
-        dims = (
-            {d % x.dim() for d in ((dim,) if isinstance(dim, int) else dim)} if x.dim() else set()
-        )
-        if dims != set(range(x.dim())):
-            raise NotImplementedError(
-                f"torch.linalg.vector_norm(dim={dim}) on a RaggedShard DTensor: "
-                "only the norm over all dims is supported"
-            )
-    (norm,) = _global_norms([x], ord, dtype)
-    if keepdim:
-        norm = norm.reshape([1] * x.dim())
-    return norm
-
-
-def _foreach_norm(tensors, ord=2, dtype=None):
-    if not all(_is_ragged_dt(t) for t in tensors):
-        raise ValueError(
-            "torch._foreach_norm: lists mixing RaggedShard DTensors with other tensors "
-            "are not supported"
-        )
-    return _global_norms(list(tensors), ord, dtype)
-
-
 def _new_tensor(x, *args, **kwargs):
     """`x.new_tensor(data)`: a plain tensor, as torch's DTensor gives (dtype/device from x)."""
     with torch._C.DisableTorchFunctionSubclass():
@@ -343,12 +253,12 @@ def _new_tensor(x, *args, **kwargs):
 _INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
 
 _SPECIAL = {
-    torch.linalg.vector_norm: _vector_norm,
-    torch._foreach_norm: _foreach_norm,
     torch.Tensor.new_tensor: _new_tensor,
     **RANDOM_FUNCTIONS,
     **REDUCTION_FUNCTIONS,
+    **NORM_FUNCTIONS,
 }
+_PACKETS = {**REDUCTION_PACKETS, **NORM_PACKETS}
 
 
 def handle_torch_function(func, args, kwargs):
@@ -420,8 +330,8 @@ def handle_torch_dispatch(func, args, kwargs):
     packet = getattr(func, "overloadpacket", None)
     if packet in RANDOM_PACKETS:
         return random_op(func, args, kwargs)
-    if packet in REDUCTION_PACKETS:
-        out = REDUCTION_PACKETS[packet](*args, **kwargs)
+    if packet in _PACKETS:
+        out = _PACKETS[packet](*args, **kwargs)
         if out is not NotImplemented:
             return out
     if not _allowed(func):

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
-__all__ = ["REDUCTION_FUNCTIONS", "REDUCTION_PACKETS"]
+__all__ = ["REDUCTION_FUNCTIONS", "REDUCTION_PACKETS", "all_reduce"]
 
 aten = torch.ops.aten
 
@@ -138,7 +138,6 @@ def _reduce(name: str, fn, x, args: tuple, kwargs: dict):
     _check_grad(name, dt, out_dtype)
     mesh_dims, placements = _reduce_dims(name, dt)
     acc = _acc_dtype(out_dtype)
-    flag = None  # NaN flag for max/min of floating tensors: gloo's max/min may drop a NaN
     if name in _SUM_LIKE:
         sum_fn = torch.nansum if name == "nansum" else torch.sum
         part = sum_fn(local, dtype=_local_float_dtype(out_dtype)).to(acc)
@@ -156,19 +155,30 @@ def _reduce(name: str, fn, x, args: tuple, kwargs: dict):
         else:
             part = torch.tensor(_identity(name, out_dtype), dtype=acc, device=local.device)
         op = dist.ReduceOp.MIN if high else dist.ReduceOp.MAX
-        if acc.is_floating_point:
-            nan = torch.isnan(part)
-            flag = torch.where(nan, -1.0 if high else 1.0, 0.0).to(acc)
-            part = torch.where(nan, _identity(name, out_dtype), part).to(acc)
-            part = torch.stack([part, flag])
-    for j in mesh_dims:
-        dist.all_reduce(part, op=op, group=dt.device_mesh.get_group(j))
-    if flag is not None:
-        part = torch.where(part[1] != 0, math.nan, part[0]).to(acc)
+    part = all_reduce(part, op, dt.device_mesh, mesh_dims)
     if name == "mean":
         part = part / dt.numel() if dt.numel() else part / 0.0
     value = part.to(out_dtype).reshape(meta.shape)
     return DTensor.from_local(value, dt.device_mesh, placements, run_check=False)
+
+
+def all_reduce(part: torch.Tensor, op, mesh, mesh_dims) -> torch.Tensor:
+    """`part` all-reduced with `op` over `mesh_dims` of `mesh`, one collective per mesh dim.
+
+    A floating MAX/MIN carries NaN as a separate flag, since gloo's max/min may drop a NaN: a NaN
+    on any rank gives NaN, as torch's max/min of the whole tensor does.
+    """
+    extremum = op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN)
+    if not (mesh_dims and extremum and part.is_floating_point()):
+        for j in mesh_dims:
+            dist.all_reduce(part, op=op, group=mesh.get_group(j))
+        return part
+    sign = 1.0 if op == dist.ReduceOp.MAX else -1.0
+    nan = torch.isnan(part)
+    both = torch.stack([part.masked_fill(nan, -sign * math.inf), nan.to(part.dtype) * sign])
+    for j in mesh_dims:
+        dist.all_reduce(both, op=op, group=mesh.get_group(j))
+    return both[0].masked_fill(both[1] != 0, math.nan)
 
 
 def _split_input(args: tuple, kwargs: dict):
