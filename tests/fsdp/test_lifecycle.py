@@ -508,3 +508,54 @@ def _meta_init(impl):
 def test_meta_device_init():
     got, ref = get_pool(2).run(_meta_init, "veragged")[0]
     _same(ref, got)  # random init of sharded parameters equals one process's, bitwise
+
+
+# --- a grouped fully_shard([norm, head]) whose head runs on its own (chunked loss) -------------
+
+class ChunkedHead(nn.Module):
+    def __init__(self, dim=16, vocab=40):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.body = nn.Linear(dim, dim, bias=False)
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens, skip_head=False):
+        h = self.norm(self.body(self.embed(tokens)))
+        return h if skip_head else self.head(h)
+
+
+def _chunked_head(impl, grouped, reshard):
+    fs = IMPLS[impl]
+    torch.manual_seed(0)
+    m = ChunkedHead()
+    fs(m.embed, reshard_after_forward=reshard)
+    fs(m.body, reshard_after_forward=reshard)
+    if grouped:
+        fs([m.norm, m.head], reshard_after_forward=reshard)
+    else:
+        fs(m.norm, reshard_after_forward=reshard)
+        fs(m.head, reshard_after_forward=reshard)
+    fs(m, reshard_after_forward=reshard)
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    for i in range(3):  # gradient accumulation: sync on the last micro-batch only
+        m.set_requires_gradient_sync(i == 2)
+        m.set_is_last_backward(i == 2)
+        h = m(torch.randint(0, 40, (2, 8), generator=g), skip_head=True)
+        grads = []
+        for chunk in torch.chunk(h.detach(), 2, dim=1):  # the head runs on its own per chunk
+            chunk = chunk.contiguous().requires_grad_(True)
+            m.head(chunk).sum().backward()
+            grads.append(chunk.grad)
+        h.backward(torch.cat(grads, dim=1))
+    return _grads(m)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_chunked_head_grouped_matches_torch(reshard):
+    ref = get_pool(2).run(_chunked_head, "torch", False, reshard)
+    for grouped in (False, True):
+        res = get_pool(2).run(_chunked_head, "veragged", grouped, reshard)
+        for rank in range(2):
+            assert res[rank]["head.weight"] is not None
+            _same(ref[rank], res[rank], atol=1e-5)

@@ -891,6 +891,12 @@ class TestFullyShard1DTrainingCompose(FSDPTest):
                     self, ref_model, model, prefixes_to_ignore=prefixes_to_ignore
                 )
 
+    @torch_only(
+        "compares grad.to_local() of fully_shard([norm, head]) with norm and head sharded "
+        "separately: a Shard(0) local shard does not depend on grouping, a RaggedShard one does "
+        "(one DBuffer plans the group's tensors together). Full-tensor parity of the same "
+        "pattern: tests/fsdp/test_lifecycle.py::test_chunked_head_grouped_matches_torch"
+    )
     def test_partial_group_forward_then_standalone(self):
         """Chunked-loss pattern: model forward skips one module in a grouped
         ``fully_shard([norm, head])``, then that module is called standalone
@@ -1107,6 +1113,12 @@ class TestFullyShard1DTrainingCompose(FSDPTest):
         for name, p in model.named_parameters():
             self.assertIsNotNone(p.grad, f"grad None for {name}")
 
+    @torch_only(
+        "compares grad.to_local() of fully_shard([norm, head]) with norm and head sharded "
+        "separately: a Shard(0) local shard does not depend on grouping, a RaggedShard one does "
+        "(one DBuffer plans the group's tensors together). Full-tensor parity of the same "
+        "pattern: tests/fsdp/test_lifecycle.py::test_chunked_head_grouped_matches_torch"
+    )
     def test_partial_group_forward_grad_accum_chunked(self):
         """Chunked-loss + grad accumulation via set_requires_gradient_sync /
         set_is_last_backward: grouped [norm, head] and ungrouped variants

@@ -196,9 +196,14 @@ class FSDPState:
         if len(self.modules) > 1:
             if module in self.modules_to_run:
                 self.modules_to_run.discard(module)
-                if self.modules_to_run:
-                    return self._cast_output(output)  # the group's forward is not complete
+                complete = not self.modules_to_run
             else:
+                complete = False
+            if not complete:
+                # The group's forward is not complete (or this module runs on its own, as a
+                # chunked loss calls the head): its backward must still bind the gradients.
+                if self.training_state != TrainingState.PRE_BACKWARD:
+                    self._hook_pre_backward(output)
                 return self._cast_output(output)
         return self._post_forward(module, args, output)
 
