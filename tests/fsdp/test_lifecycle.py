@@ -293,11 +293,13 @@ def _tied(impl):
     torch.manual_seed(0)
     emb, head = nn.Embedding(10, 8), nn.Linear(8, 10, bias=False)
     head.weight = emb.weight
-    model = nn.ModuleDict({"emb": emb, "head": head})
+    model = nn.Sequential(emb, head)
     fs = IMPLS[impl]
-    try:
-        fs(emb)
-        fs(head)
+    fs(emb)
+    fs(head)
+    fs(model)
+    try:  # torch raises at lazy init, the first forward
+        model(torch.randint(0, 10, (2, 3)))
         return "no error"
     except ValueError as e:
         return str(e)
@@ -317,8 +319,10 @@ def _tied_grouped(impl):
 
 
 def test_tied_parameters():
-    msg = get_pool(2).run(_tied, "veragged")[0]
-    assert "shared" in msg and "weight" in msg, msg
+    for impl in IMPLS:
+        msg = get_pool(2).run(_tied, impl)[0]
+        assert "already managed by another" in msg, (impl, msg)
+    assert "'weight'" in msg, msg  # veragged names the parameter
     res = _run_both(_tied_grouped)
     for rank in range(2):
         (g_t, tied_t), (g_v, tied_v) = res["torch"][rank], res["veragged"][rank]

@@ -343,6 +343,7 @@ def fully_shard(
         )
     ignored = {id(p) for p in ignored_params or ()}
     params = _collect(modules, ignored)
+    shared: list[str] = []  # tied to a parameter of an earlier call: an error at lazy init
     for fqn, p, _ in params:
         if isinstance(p, DTensor):
             raise ValueError(
@@ -351,11 +352,8 @@ def fully_shard(
                 "take yet"
             )
         if _MANAGED.get(id(p)) is p:
-            raise ValueError(
-                f"parameter {fqn!r} is shared with a parameter already managed by another "
-                "fully_shard call; for shared/tied parameters, call fully_shard([module_a, "
-                "module_b]) so they land in one group, or shard their common parent"
-            )
+            shared.append(fqn)
+            continue
         if p.ndim == 0:
             raise ValueError(
                 f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor "
@@ -368,6 +366,7 @@ def fully_shard(
                 f"FSDP does not support non-contiguous parameters yet: {fqn!r} has shape "
                 f"{tuple(p.shape)} and stride {p.stride()}"
             )
+    params = [e for e in params if e[0] not in shared]
     by_dtype: dict[torch.dtype, list] = {}
     for entry in params:
         by_dtype.setdefault(entry[1].dtype, []).append(entry)
@@ -395,6 +394,12 @@ def fully_shard(
         group.reshard()
         groups.append(group)
     state = FSDPState(modules, groups, mp_policy, auto)
+    if shared:  # raised at the first forward, as torch does (torch's wording leads)
+        state.init_error = ValueError(
+            f"parameters {shared} are already managed by another fully_shard call (tied "
+            "weights sharded in separate calls); call fully_shard([module_a, module_b]) so "
+            "they land in one group, or shard their common parent"
+        )
     for m in modules:
         m._veragged_state = state
         m.register_state_dict_pre_hook(lambda *a, **k: _reshard(state))

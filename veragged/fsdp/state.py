@@ -132,6 +132,7 @@ class FSDPState:
         self.modules_to_run: set[nn.Module] = set()
         self.post_optim_event = None
         self.max_reduce_scatter_buffers = 1  # set_reduce_scatter_max_input_buffers
+        self.init_error: Exception | None = None  # a bad configuration, raised at lazy init
         for m in modules:
             pre = functools.partial(self._module_pre_forward, m)
             post = functools.partial(self._module_post_forward, m)
@@ -157,6 +158,8 @@ class FSDPState:
             state = getattr(module, "_veragged_state", None)
             if state is None or any(state is s for _, s in found):
                 continue
+            if state.init_error is not None:
+                raise state.init_error
             if state is not self and state.is_root is not None:
                 raise RuntimeError(
                     f"fully_shard state of {name!r} was already initialised: run forward "
