@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._composable.replicate import _is_fully_sharded
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -354,7 +355,9 @@ def _interop(impl):
     torch.manual_seed(0)
     model = _shard(Net(), impl, reshard_after_forward=None)
     out = {"isinstance": isinstance(model, TorchFSDPModule),
-           "one_class": type(model.blocks[0]) is type(model.blocks[1])}
+           "one_class": type(model.blocks[0]) is type(model.blocks[1]),
+           # what `replicate` asks to leave FSDP's parameters alone
+           "composable_registry": _is_fully_sharded(model.blocks[0])}
     model(_data(0))
     # root keeps its parameters after forward (None: the root does not reshard)
     out["root_unsharded"] = not isinstance(model.inp.weight, DTensor)

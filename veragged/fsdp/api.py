@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
@@ -402,6 +404,9 @@ def fully_shard(
         )
     for m in modules:
         m._veragged_state = state
+        # torch's composable registry: tooling that asks "is this module fully sharded?"
+        # (`replicate` leaving FSDP parameters to FSDP) gets the answer it gets for torch's.
+        m.__dict__.setdefault(REGISTRY_KEY, OrderedDict()).setdefault("fully_shard", RegistryItem())
         m.register_state_dict_pre_hook(lambda *a, **k: _reshard(state))
         m._register_load_state_dict_pre_hook(lambda *a, **k: _reshard(state))
         m.register_load_state_dict_post_hook(lambda *a, **k: _retake(state))
