@@ -18,6 +18,21 @@ boundary, S a multiple of `256 / itemsize` so every rank's slot starts 256-byte 
   accumulates into place,
   and `reduce_scatter_tensor` reads it as is; the result is scaled (and cast) into the sharded
   gradients, views into one S-element buffer, by one fused kernel.
+
+[Note: unreached parameters]
+A parameter that no rank's backward reached keeps `.grad = None` (torch's FSDP2 leaves it out of
+its reduce-scatter), yet the reduce-scatter covers the whole buffer on every rank, so that ranks
+whose data reached different parameters still issue the same collective. Which parameters some
+rank reached travels inside that collective, at no cost: the gradient buffer is zeroed with +0.0
+and autograd accumulates into it, so a reached element is never -0.0 (in round-to-nearest,
+x + y is -0.0 only when both are -0.0); before the reduce-scatter each rank writes -0.0 over the
+parameters it did not reach. A SUM is then -0.0 exactly when every rank sent -0.0, i.e. when no
+rank reached the parameter, and every rank holding part of it reads the same answer from its
+first local element (gloo and NCCL add in IEEE arithmetic; adding -0.0 to a value leaves it
+unchanged, so the marks never alter a gradient). A rank holding none of a parameter answers from
+its own backward, which agrees with the others whenever every rank reached the same parameters
+(torch's requirement in this mode); `set_reduce_scatter_unused_params(True)` instead gives every
+trainable parameter a gradient, zeros where none was reached.
 """
 
 from __future__ import annotations
@@ -344,6 +359,7 @@ class DBuffer:
         average: bool = True,
         divide_factor: float | None = None,
         all_reduce: bool = True,
+        unreached: Sequence[bool] | None = None,
         async_op=False,
     ):
         """Reduce-scatter the gradient buffer into the sharded gradients.
@@ -353,7 +369,8 @@ class DBuffer:
         the master-dtype shard gradient, adding to it when `accumulate`. HSDP: the result is
         then all-reduced over the other mesh dims (unless `all_reduce` is False). A world of one
         communicates nothing. With `async_op` only the reduce-scatter is launched;
-        `finish_reduce()` completes it.
+        `finish_reduce()` completes it. `unreached[i]` marks tensors this rank's backward did not
+        reach: see [Note: unreached parameters].
         """
         self.finish_reduce()
         S = self.shard_size
@@ -366,6 +383,10 @@ class DBuffer:
             ops.cast_scale_(source, self._grads, 1.0)
         else:
             source = self._grads
+        if unreached is not None:
+            for e, u in zip(self.entries, unreached):
+                if u:
+                    source[e.start : e.end].fill_(-0.0)
         if self.world == 1:
             reduced, work = source, None
         else:
@@ -373,22 +394,28 @@ class DBuffer:
             work = dist.reduce_scatter_tensor(
                 reduced, source, op=dist.ReduceOp.SUM, group=self.group, async_op=True
             )
-        self._reduce = (work, source, reduced, accumulate, average, divide_factor, all_reduce)
+        self._reduce = (work, source, reduced, accumulate, average, divide_factor, all_reduce,
+                        unreached)
         if not async_op:
             self.finish_reduce()
 
-    def finish_reduce(self, bind: Sequence[bool] | None = None, hook=None) -> None:
-        """Wait for a launched reduce-scatter and write the sharded gradients (no-op if none).
+    def finish_reduce(self, bind: Sequence[bool] | None = None, hook=None) -> list[bool]:
+        """Wait for a launched reduce-scatter and write the sharded gradients.
 
-        `bind[i]` says whether tensor i receives its gradient (default: every tensor); the
-        others keep their `.grad` as it was (None stays None). `hook`, if given, is
+        `bind[i]` says whether tensor i may receive its gradient (default: every tensor); of
+        those marked unreached at launch, only the ones some rank reached do
+        ([Note: unreached parameters]). The others keep their `.grad` as it was (None stays
+        None). Returns, per tensor, whether its gradient was written (all False if no reduction
+        was in flight). `hook`, if given, is
         `(fn, stream)`: `fn(reduced)` runs on this rank's reduced shard (the SUM, after the HSDP
         all-reduce, before the division and cast; torch's `set_all_reduce_hook`), in `stream`'s
         context if not None.
         """
         if self._reduce is None:
-            return
-        work, source, reduced, accumulate, average, divide_factor, all_reduce = self._reduce
+            return [False] * len(self.params)
+        work, source, reduced, accumulate, average, divide_factor, all_reduce, unreached = (
+            self._reduce
+        )
         self._reduce = None
         if work is not None:
             work.wait()
@@ -414,6 +441,9 @@ class DBuffer:
         if self._shard_grad is None:
             self._shard_grad = aligned_empty(S, self.dtype, self.device)
         bind = [True] * len(self.params) if bind is None else list(bind)
+        if unreached is not None:
+            bind = [b and (not u or self._reached_elsewhere(e, reduced))
+                    for b, u, e in zip(bind, unreached, self.entries)]
         unbound = [
             (p, e) for p, e, b in zip(self.params, self.entries, bind)
             if b and not self._bound(p)
@@ -426,3 +456,15 @@ class DBuffer:
         for p, e in unbound:
             p.grad = self._sharded(e, self._shard_grad, requires_grad=False)
         self._free(self._grads)
+        return bind
+
+    @staticmethod
+    def _reached_elsewhere(e: _Entry, reduced: torch.Tensor) -> bool:
+        """Whether some rank reached tensor `e`, which this rank's backward did not: its first
+        local element is not the -0.0 every unreaching rank sent ([Note: unreached parameters]).
+        A rank holding no element of it cannot tell, and answers no."""
+        b, end = e.local
+        if b == end:
+            return False
+        first = reduced[b]
+        return not (first.item() == 0 and torch.signbit(first).item())

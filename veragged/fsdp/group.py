@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from veragged.dbuffer.buffer import DBuffer
@@ -52,7 +51,7 @@ class ParamGroup:
         self._make_unsharded()
         self._has_grad = [False] * len(self.sharded)
         self._grads_live = False  # the gradient buffer holds this step's (accumulated) grads
-        self._mask = None  # (work, mask, exchanged): the has-grad mask of the launched reduce
+        self._bind: list[bool] | None = None  # which tensors the launched reduce may write
         self._registered = self.sharded
 
     def _make_unsharded(self) -> None:
@@ -184,48 +183,30 @@ class ParamGroup:
 
     def _launch_reduce(self, ctx) -> None:
         ctx.before_reduce(self)
-        buf = self.buffer
-        buf.reduce_grads(
+        trainable = [p.requires_grad for p in self.sharded]
+        if self.reduce_scatter_unused_params:  # every trainable parameter gets a gradient
+            unreached = None
+        else:  # those no rank reached keep None: [Note: unreached parameters]
+            unreached = [t and not h for h, t in zip(self._has_grad, trainable)]
+        self.buffer.reduce_grads(
             accumulate=True,
             divide_factor=self.gradient_divide_factor,
             all_reduce=self.all_reduce_grads,
+            unreached=unreached,
             async_op=True,
         )
-        trainable = [p.requires_grad for p in self.sharded]
-        mask = torch.tensor(
-            [h and t for h, t in zip(self._has_grad, trainable)], dtype=torch.uint8
-        )
+        self._bind = trainable  # frozen parameters never get a gradient
         self._has_grad = [False] * len(self.sharded)
         self._grads_live = False
-        work, exchange = None, not self.reduce_scatter_unused_params
-        if exchange:
-            # Which parameters any rank reached: the others keep `.grad` as it was (None).
-            mask = mask.to(buf.device)
-            if buf.world > 1:
-                work = dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=buf.group, async_op=True)
-        else:  # torch's unused-params mode: every trainable parameter gets a gradient
-            mask = torch.tensor(trainable, dtype=torch.uint8)
-        self._mask = (work, mask, exchange)
 
     def finish_reduce(self) -> None:
         """Wait for this group's reduce-scatter (if any) and write the sharded gradients."""
-        if self._mask is None:
-            self.buffer.finish_reduce(hook=self.all_reduce_hook)
-            return
-        work, mask, exchange = self._mask
-        self._mask = None
-        if work is not None:
-            work.wait()
-        buf = self.buffer
-        for d in range(buf.mesh.ndim):
-            if exchange and d != buf.shard_dim and buf.mesh.size(d) > 1 and self.all_reduce_grads:
-                dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=buf.mesh.get_group(d))
-        bind = [bool(b) for b in mask.tolist()]
-        buf.finish_reduce(bind=bind, hook=self.all_reduce_hook)
+        bind, self._bind = self._bind, None
+        written = self.buffer.finish_reduce(bind=bind, hook=self.all_reduce_hook)
         # Hooks registered on the sharded parameters run once their gradient is written (as
         # torch's, e.g. an optimizer step in backward): autograd never accumulates into them.
-        for p, b in zip(self.sharded, bind):
-            if b and p.grad is not None:
+        for p, w in zip(self.sharded, written):
+            if w and p.grad is not None:
                 for fn in tuple((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
                     fn(p)
 
@@ -245,7 +226,7 @@ class ParamGroup:
     def reset(self) -> None:
         """Drop everything in flight (`reset_iter_state` after an exception)."""
         self.buffer.wait_unshard()
-        self._mask = None
+        self._bind = None
         self.buffer._reduce = None
         self._grads_live = False
         self._has_grad = [False] * len(self.sharded)

@@ -20,11 +20,12 @@ POST_BACKWARD -> IDLE), always in the methods below, never elsewhere:
   the group that ran before it in forward (or the explicit `set_modules_to_backward_prefetch`).
 - post-backward (POST_BACKWARD): reduce-scatter the *whole* gradient buffer, a collective
   whose shape does not depend on which parameters this rank's data reached, so ranks whose
-  data used different parameters (MoE routing, conditional branches) stay in step; one small
-  MAX all-reduce of a has-grad mask beside it decides which parameters get a `.grad` (a
-  parameter no rank reached keeps None, as with torch; `set_reduce_scatter_unused_params(True)`
-  gives every trainable parameter a gradient instead). Frozen parameters have no gradient view.
-  Launching a reduce-scatter finishes the one before, so at most two gradient buffers live.
+  data used different parameters (MoE routing, conditional branches) stay in step; which
+  parameters some rank reached travels inside it ([Note: unreached parameters]): a parameter
+  no rank reached keeps None, as with torch (`set_reduce_scatter_unused_params(True)` gives
+  every trainable parameter a gradient instead). Frozen parameters have no gradient view.
+  Launching a reduce-scatter finishes the oldest in flight beyond
+  `set_reduce_scatter_max_input_buffers` (default 1), bounding the live gradient buffers.
 - The root's end-of-backward callback runs post-backward for every state of the tree that is
   still in PRE_BACKWARD (modules whose inputs needed no gradient), waits for every reduction,
   reshards and returns everything to IDLE. It covers every state, used this iteration or not.
