@@ -75,18 +75,15 @@ void zero_ranges_cpu(at::Tensor& dst, c10::IntArrayRef ranges) {
 
 namespace {
 
+constexpr DeviceKernels kCpuKernels{&cast_scale_cpu, &accumulate_cpu, &scale_cpu};
+
 void cast_scale_op(at::Tensor dst, const at::Tensor& src, double alpha) {
-  check_pair(dst, src, "cast_scale_");
-  cast_scale_cpu(dst, src, alpha);
+  cast_scale(kCpuKernels, dst, src, alpha);
 }
 void accumulate_op(at::Tensor dst, const at::Tensor& src, double alpha) {
-  check_pair(dst, src, "accumulate_");
-  accumulate_cpu(dst, src, alpha);
+  accumulate(kCpuKernels, dst, src, alpha);
 }
-void scale_op(at::Tensor dst, double alpha) {
-  check_flat(dst, "scale_", "dst");
-  scale_cpu(dst, alpha);
-}
+void scale_op(at::Tensor dst, double alpha) { scale(kCpuKernels, dst, alpha); }
 void zero_ranges_op(at::Tensor dst, c10::IntArrayRef ranges) {
   TORCH_CHECK_VALUE(dst.is_contiguous(), "zero_ranges_: dst must be contiguous");
   check_ranges(ranges, dst.numel());

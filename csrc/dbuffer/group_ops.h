@@ -13,6 +13,14 @@
 // Arithmetic is done in `acc_t` (float for half/bf16/float, double for double) with an explicit
 // multiply then add (no fused multiply-add), so CPU and CUDA round identically and match torch's
 // `dst.add_(src.to(dst.dtype), alpha=alpha)` for float32.
+//
+// Dtypes (dtype_routes.cpp; the fake kernels in veragged/dbuffer/ops.py check the same): the
+// fused kernels serve every pair of float, double, half and bfloat16. Complex tensors (both dst
+// and src) run them on their real views, which scales and adds componentwise. Other floating
+// dtypes (float8) take the same math through ATen ops (via `acc_t`; a cast is one `copy_`).
+// `cast_scale_` into the same dtype with alpha = 1 is a plain copy and serves every dtype: a
+// DBuffer of integer, bool or float8 parameters (never trainable) is copied with it. Any other
+// combination (integers scaled or cast, complex with real) raises ValueError.
 
 #pragma once
 
@@ -35,8 +43,6 @@ struct AccType<double> {
 
 inline void check_flat(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
-  TORCH_CHECK_VALUE(t.is_floating_point(), op, ": ", name, " must be a floating tensor, got ",
-                    t.scalar_type());
 }
 
 inline void check_pair(const at::Tensor& dst, const at::Tensor& src, const char* op) {
@@ -64,5 +70,20 @@ void cast_scale_cpu(at::Tensor& dst, const at::Tensor& src, double alpha);
 void accumulate_cpu(at::Tensor& dst, const at::Tensor& src, double alpha);
 void scale_cpu(at::Tensor& dst, double alpha);
 void zero_ranges_cpu(at::Tensor& dst, c10::IntArrayRef ranges);
+
+// One device's fused kernels. They take contiguous tensors of equal numel on the device, with
+// dtypes among float, double, half and bfloat16.
+struct DeviceKernels {
+  void (*cast_scale)(at::Tensor& dst, const at::Tensor& src, double alpha);
+  void (*accumulate)(at::Tensor& dst, const at::Tensor& src, double alpha);
+  void (*scale)(at::Tensor& dst, double alpha);
+};
+
+// The ops on one device: argument checks, then the dtype routes of the Note (dtype_routes.cpp).
+void cast_scale(const DeviceKernels& kernels, at::Tensor& dst, const at::Tensor& src,
+                double alpha);
+void accumulate(const DeviceKernels& kernels, at::Tensor& dst, const at::Tensor& src,
+                double alpha);
+void scale(const DeviceKernels& kernels, at::Tensor& dst, double alpha);
 
 }  // namespace veragged::dbuffer

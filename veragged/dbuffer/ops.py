@@ -2,7 +2,8 @@
 
 The kernels are C++ (CPU) and CUDA; see [Note: DBuffer group ops] in csrc/dbuffer/group_ops.h.
 Each op mutates its first argument in place and returns nothing, so its fake kernel only checks
-what the real kernels check and returns None.
+what the real kernels check (shapes, devices and the dtypes of "Dtypes" in the Note) and returns
+None.
 """
 
 from __future__ import annotations
@@ -15,30 +16,54 @@ __all__ = ["accumulate_", "cast_scale_", "scale_", "zero_ranges_"]
 
 
 def _check_pair(op: str, dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.numel() != src.numel():
-        raise ValueError(f"{op}: dst has {dst.numel()} elements but src has {src.numel()}")
     if not (dst.is_contiguous() and src.is_contiguous()):
         raise ValueError(f"{op}: dst and src must be contiguous")
+    if dst.numel() != src.numel():
+        raise ValueError(f"{op}: dst has {dst.numel()} elements but src has {src.numel()}")
+    if dst.device != src.device:
+        raise ValueError(f"{op}: dst is on {dst.device} but src is on {src.device}")
+
+
+def _both(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Both floating or both complex: the dtypes the ops compute in (see "Dtypes" in the Note)."""
+    return (dst.is_floating_point() and src.is_floating_point()) or (
+        dst.is_complex() and src.is_complex()
+    )
 
 
 @torch.library.register_fake("veragged::cast_scale_")
 def _cast_scale_fake(dst, src, alpha=1.0):
     _check_pair("cast_scale_", dst, src)
+    if not (dst.dtype == src.dtype and alpha == 1.0) and not _both(dst, src):
+        raise ValueError(
+            f"cast_scale_: cannot cast {src.dtype} to {dst.dtype} with alpha={alpha}: only "
+            "floating (or only complex) tensors are cast and scaled; other dtypes are copied, "
+            "into the same dtype with alpha=1"
+        )
 
 
 @torch.library.register_fake("veragged::accumulate_")
 def _accumulate_fake(dst, src, alpha=1.0):
     _check_pair("accumulate_", dst, src)
+    if not _both(dst, src):
+        raise ValueError(
+            "accumulate_: dst and src must both be floating or both complex tensors, "
+            f"got {dst.dtype} and {src.dtype}"
+        )
 
 
 @torch.library.register_fake("veragged::scale_")
 def _scale_fake(dst, alpha):
     if not dst.is_contiguous():
         raise ValueError("scale_: dst must be contiguous")
+    if not (dst.is_floating_point() or dst.is_complex()):
+        raise ValueError(f"scale_: dst must be a floating or complex tensor, got {dst.dtype}")
 
 
 @torch.library.register_fake("veragged::zero_ranges_")
 def _zero_ranges_fake(dst, ranges):
+    if not dst.is_contiguous():
+        raise ValueError("zero_ranges_: dst must be contiguous")
     if len(ranges) % 2:
         raise ValueError(
             f"zero_ranges_: ranges must hold (begin, end) pairs, got {len(ranges)} values"
@@ -46,19 +71,22 @@ def _zero_ranges_fake(dst, ranges):
 
 
 def cast_scale_(dst: torch.Tensor, src: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """`dst = (alpha * src).to(dst.dtype)` in one pass; returns `dst`."""
+    """`dst = (alpha * src).to(dst.dtype)` in one pass; returns `dst`.
+
+    Floating or complex dtypes (both of one kind); any dtype for a copy (same dtype, alpha=1).
+    """
     torch.ops.veragged.cast_scale_(dst, src, alpha)
     return dst
 
 
 def accumulate_(dst: torch.Tensor, src: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """`dst += alpha * src.to(dst.dtype)` in one pass; returns `dst`."""
+    """`dst += alpha * src.to(dst.dtype)` in one pass (floating or complex); returns `dst`."""
     torch.ops.veragged.accumulate_(dst, src, alpha)
     return dst
 
 
 def scale_(dst: torch.Tensor, alpha: float) -> torch.Tensor:
-    """`dst *= alpha`; returns `dst`."""
+    """`dst *= alpha` (floating or complex); returns `dst`."""
     torch.ops.veragged.scale_(dst, alpha)
     return dst
 

@@ -274,7 +274,8 @@ def handle_torch_function(func, args, kwargs):
 
             accumulate_grads_locally(args[0])
         return out
-    special = _SPECIAL.get(func)
+    # An aten overload called directly (`torch.ops.aten.sum.default(x)`) takes its packet's handler.
+    special = _SPECIAL.get(func) or _PACKETS.get(getattr(func, "overloadpacket", None))
     if special is not None:
         out = special(*args, **kwargs)
         if out is not NotImplemented:

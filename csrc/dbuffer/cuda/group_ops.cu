@@ -77,10 +77,10 @@ void dispatch_pair(at::Tensor& dst, const at::Tensor& src, Launch launch) {
   });
 }
 
-// Checks, device guard, stream, dtype dispatch and launch check shared by the two-tensor ops.
+// Device guard, stream, dtype dispatch and launch check shared by the two-tensor kernels (the
+// checks and dtype routes are dtype_routes.cpp's).
 template <typename Launch>
-void pair_op(const char* op, at::Tensor& dst, const at::Tensor& src, Launch launch) {
-  check_pair(dst, src, op);
+void pair_launch(at::Tensor& dst, const at::Tensor& src, Launch launch) {
   const int64_t n = dst.numel();
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(dst.device());
@@ -89,20 +89,19 @@ void pair_op(const char* op, at::Tensor& dst, const at::Tensor& src, Launch laun
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void cast_scale_op(at::Tensor dst, const at::Tensor& src, double alpha) {
-  pair_op("cast_scale_", dst, src, [alpha](auto* d, const auto* s, int64_t n, cudaStream_t st) {
+void cast_scale_cuda(at::Tensor& dst, const at::Tensor& src, double alpha) {
+  pair_launch(dst, src, [alpha](auto* d, const auto* s, int64_t n, cudaStream_t st) {
     cast_scale_kernel<<<blocks_for(n), kThreads, 0, st>>>(d, s, n, alpha);
   });
 }
 
-void accumulate_op(at::Tensor dst, const at::Tensor& src, double alpha) {
-  pair_op("accumulate_", dst, src, [alpha](auto* d, const auto* s, int64_t n, cudaStream_t st) {
+void accumulate_cuda(at::Tensor& dst, const at::Tensor& src, double alpha) {
+  pair_launch(dst, src, [alpha](auto* d, const auto* s, int64_t n, cudaStream_t st) {
     accumulate_kernel<<<blocks_for(n), kThreads, 0, st>>>(d, s, n, alpha);
   });
 }
 
-void scale_op(at::Tensor dst, double alpha) {
-  check_flat(dst, "scale_", "dst");
+void scale_cuda(at::Tensor& dst, double alpha) {
   const int64_t n = dst.numel();
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(dst.device());
@@ -112,6 +111,18 @@ void scale_op(at::Tensor dst, double alpha) {
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+
+constexpr DeviceKernels kCudaKernels{&cast_scale_cuda, &accumulate_cuda, &scale_cuda};
+
+void cast_scale_op(at::Tensor dst, const at::Tensor& src, double alpha) {
+  cast_scale(kCudaKernels, dst, src, alpha);
+}
+
+void accumulate_op(at::Tensor dst, const at::Tensor& src, double alpha) {
+  accumulate(kCudaKernels, dst, src, alpha);
+}
+
+void scale_op(at::Tensor dst, double alpha) { scale(kCudaKernels, dst, alpha); }
 
 void zero_ranges_op(at::Tensor dst, c10::IntArrayRef ranges) {
   TORCH_CHECK_VALUE(dst.is_contiguous(), "zero_ranges_: dst must be contiguous");

@@ -1,0 +1,289 @@
+"""Vector norms of RaggedShard DTensors against torch's norm of the full tensor.
+
+[Note: norms on RaggedShard] (veragged/placement/norms.py): over all dims a Replicate DTensor,
+exact for inf/-inf/0 and when one rank holds everything (ord 1, 2), within a few ulps otherwise;
+over dims after the ragged-sharded ones a RaggedShard DTensor, bitwise torch's. The checks run on
+the persistent gloo pools (2 and 4 ranks, a 2x2 mesh on 4), one job per test.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import veragged
+from veragged import RaggedShard, StridedRaggedShard
+from veragged.testing.pool import get_pool
+
+ORDS = (2, 1, 3, 0.5, -1, math.inf, -math.inf, 0)
+EXACT = (math.inf, -math.inf, 0)
+
+
+def _cases(world):
+    """(shape, placement): elements cut with an empty rank, rows with an empty rank, the whole
+    tensor on one rank (dims=()), uneven rows, a 1-D tensor on one rank."""
+    if world == 4:
+        return [
+            ((7, 13), RaggedShard((0, 1), (30, 0, 51, 10))),
+            ((18, 5), RaggedShard((0,), (5, 0, 9, 4))),
+            ((3, 4, 5), RaggedShard((), (0, 0, 1, 0))),
+            ((5, 3, 2), RaggedShard((0,), (1, 1, 1, 2))),
+            ((37,), RaggedShard((0,), (0, 37, 0, 0))),
+        ]
+    return [
+        ((7, 13), RaggedShard((0, 1), (40, 51))),
+        ((18, 5), RaggedShard((0,), (0, 1))),
+        ((3, 4, 5), RaggedShard((), (0, 1))),
+        ((5, 3, 2), RaggedShard((0,), (2, 3))),
+        ((37,), RaggedShard((0,), (1, 0))),
+    ]
+
+
+def _raises(fn, exc, *texts):
+    try:
+        fn()
+    except exc as e:
+        return all(t in str(e) for t in texts) or str(e)
+    return f"no {exc.__name__}"
+
+
+def _replicated(got, want, exact, rtol=2e-6):
+    """A Replicate DTensor holding `want` (bitwise if `exact`)."""
+    ok = (
+        type(got) is DTensor
+        and all(isinstance(p, Replicate) for p in got.placements)
+        and (got.shape, got.dtype) == (want.shape, want.dtype)
+    )
+    value = got.to_local()
+    rtol = 0 if exact else rtol
+    ok = ok and torch.allclose(value, want, rtol=rtol, atol=0, equal_nan=True)
+    return ok or f"{value!r} != {want!r}"
+
+
+def _ragged(got, want, placements):
+    """A RaggedShard DTensor with `placements` holding bitwise `want`."""
+    ok = (
+        type(got).__name__ == "RaggedDTensor"
+        and got.placements == tuple(placements)
+        and (got.shape, got.dtype) == (want.shape, want.dtype)
+        and torch.equal(got.full_tensor(), want)
+    )
+    return ok or f"{got.placements} {got.full_tensor()!r} != {want!r}"
+
+
+def _one_d(world):
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(3)
+    res = {}
+    for shape, p in _cases(world):
+        full = torch.randn(shape, generator=g)
+        x = veragged.distribute_tensor(full, mesh, [p])
+        one_holder = sum(u > 0 for u in p.local_units) == 1
+        for ord in ORDS:
+            want = torch.linalg.vector_norm(full, ord)
+            exact = ord in EXACT or (one_holder and ord in (1, 2))
+            res[f"full.{shape}.{ord}"] = _replicated(torch.linalg.vector_norm(x, ord), want, exact)
+        nd, k = len(shape), len(p.dims)
+        res[f"keepdim.{shape}"] = _replicated(
+            torch.linalg.vector_norm(x, 3, tuple(range(nd)), keepdim=True),
+            torch.linalg.vector_norm(full, 3, tuple(range(nd)), keepdim=True), False,
+        )
+        res[f"dtype.{shape}"] = _replicated(
+            torch.linalg.vector_norm(x, dtype=torch.float64),
+            torch.linalg.vector_norm(full, dtype=torch.float64), False, 1e-13,
+        )
+        res[f"bf16.{shape}"] = _replicated(
+            torch.linalg.vector_norm(x.bfloat16(), 1),
+            torch.linalg.vector_norm(full.bfloat16(), 1), False, 1e-2,
+        )
+        res[f"complex.{shape}"] = _replicated(
+            torch.linalg.vector_norm(x * (1 + 2j)), torch.linalg.vector_norm(full * (1 + 2j)),
+            False,
+        )
+        # Composites built on the vector norm.
+        res[f"linalg.norm.{shape}"] = _replicated(
+            torch.linalg.norm(x), torch.linalg.norm(full), one_holder
+        )
+        res[f"Tensor.norm.{shape}"] = _replicated(x.norm(p=1), full.norm(p=1), one_holder)
+        res[f"torch.norm.fro.{shape}"] = _replicated(
+            torch.norm(x, "fro"), torch.norm(full, "fro"), one_holder
+        )
+        res[f"aten.{shape}"] = _replicated(
+            torch.ops.aten.linalg_vector_norm.default(x, math.inf),
+            torch.linalg.vector_norm(full, math.inf), True,
+        )
+        if nd == 2:
+            res[f"matrix_norm.fro.{shape}"] = _replicated(
+                torch.linalg.matrix_norm(x), torch.linalg.matrix_norm(full), one_holder
+            )
+            res[f"matrix_norm.nuc.{shape}"] = _raises(
+                lambda: torch.linalg.norm(x, "nuc"), NotImplementedError, "matrix norms"
+            )
+        # Over the dims after the ragged-sharded ones: RaggedShard rows, torch's values.
+        if k < nd:
+            for ord in ORDS:
+                res[f"dim.{shape}.{ord}"] = _ragged(
+                    torch.linalg.vector_norm(x, ord, dim=-1),
+                    torch.linalg.vector_norm(full, ord, dim=-1), [p],
+                )
+            if k > 0:  # (k = 0 reduces every dim: the full norm)
+                trailing = tuple(range(k, nd))
+                res[f"dims_keepdim.{shape}"] = _ragged(
+                    torch.linalg.vector_norm(x, dim=trailing, keepdim=True),
+                    torch.linalg.vector_norm(full, dim=trailing, keepdim=True), [p],
+                )
+            res[f"dim_dtype.{shape}"] = _ragged(
+                torch.linalg.vector_norm(x, 1, -1, dtype=torch.float64),
+                torch.linalg.vector_norm(full, 1, -1, dtype=torch.float64), [p],
+            )
+            res[f"Tensor.norm.dim.{shape}"] = _ragged(x.norm(dim=nd - 1), full.norm(dim=nd - 1), [p])
+            with torch._C.DisableTorchFunctionSubclass():  # the aten op under torch.linalg.norm
+                below = torch.linalg.norm(x, dim=-1)
+            res[f"dispatch.dim.{shape}"] = _ragged(below, torch.linalg.norm(full, dim=-1), [p])
+        if k > 0 and nd > 1:  # (a 1-D tensor's dim 0 is every dim: the full norm)
+            res[f"ragged_dim.{shape}"] = _raises(
+                lambda: torch.linalg.vector_norm(x, dim=k - 1),
+                NotImplementedError, f"dim={k - 1}", "ragged-sharded dims", repr(p),
+            )
+    res.update(_special_values(mesh, world))
+    res.update(_foreach_and_clip(mesh, world))
+    return res
+
+
+def _special_values(mesh, world):
+    res = {}
+    shape, p = _cases(world)[0]
+    full = torch.randn(shape)
+    # NaN in the last rank's shard: every norm but ord=0 is NaN, as in torch.
+    nan = full.clone()
+    nan.view(-1)[-1] = math.nan
+    xn = veragged.distribute_tensor(nan, mesh, [p])
+    for ord in ORDS:
+        res[f"nan.{ord}"] = _replicated(
+            torch.linalg.vector_norm(xn, ord), torch.linalg.vector_norm(nan, ord), ord in EXACT
+        )
+    # Zeros: negative ord gives 0, -inf gives 0.
+    zeros = full.clone()
+    zeros.view(-1)[::7] = 0
+    xz = veragged.distribute_tensor(zeros, mesh, [p])
+    for ord in (-1, -math.inf, 0):
+        res[f"zeros.{ord}"] = _replicated(
+            torch.linalg.vector_norm(xz, ord), torch.linalg.vector_norm(zeros, ord), True
+        )
+    # No element anywhere: ord 2 gives 0, inf raises torch's own error.
+    empty = torch.zeros(0, 5)
+    xe = veragged.distribute_tensor(empty, mesh, [RaggedShard((0,), (1,) * world)])
+    res["empty.2"] = _replicated(torch.linalg.vector_norm(xe), torch.linalg.vector_norm(empty), True)
+    res["empty.inf"] = _raises(lambda: torch.linalg.vector_norm(xe, math.inf), RuntimeError, "inf")
+    xi = veragged.distribute_tensor(torch.ones(shape, dtype=torch.int64), mesh, [p])
+    res["int"] = _raises(lambda: torch.linalg.vector_norm(xi), RuntimeError, "floating point")
+    x = veragged.distribute_tensor(full, mesh, [p])
+    res["out"] = _raises(
+        lambda: torch.linalg.vector_norm(x, out=torch.empty(())), NotImplementedError, "out="
+    )
+    leaf = nn.Parameter(veragged.distribute_tensor(full, mesh, [p]))
+    res["grad"] = _raises(lambda: torch.linalg.vector_norm(leaf), NotImplementedError, "no_grad")
+    with torch.no_grad():
+        res["no_grad"] = _replicated(
+            torch.linalg.vector_norm(leaf, math.inf), torch.linalg.vector_norm(full, math.inf), True
+        )
+    return res
+
+
+def _foreach_and_clip(mesh, world):
+    res = {}
+    fulls = [torch.randn(shape) for shape, _ in _cases(world)]
+    xs = [veragged.distribute_tensor(f, mesh, [p]) for f, (_, p) in zip(fulls, _cases(world))]
+    for ord in (2, math.inf, -math.inf, 0, 1.5):
+        got = torch._foreach_norm(xs, ord)
+        want = torch._foreach_norm(fulls, ord)
+        res[f"foreach.{ord}"] = all(
+            _replicated(a, b, ord in EXACT) is True for a, b in zip(got, want)
+        )
+    got = torch._foreach_norm(xs, 2, dtype=torch.float64)
+    res["foreach.dtype"] = all(
+        _replicated(a, torch.linalg.vector_norm(f, dtype=torch.float64), False, 1e-13) is True
+        for a, f in zip(got, fulls)
+    )
+    ref = [nn.Parameter(f.clone()) for f in fulls]
+    params = [nn.Parameter(veragged.distribute_tensor(f, mesh, x.placements)) for f, x in
+              zip(fulls, xs)]
+    for r, x in zip(ref, params):
+        r.grad = r.detach() * 3
+        x.grad = veragged.distribute_tensor(r.grad, mesh, x.placements)
+    want = nn.utils.clip_grad_norm_(ref, max_norm=1.0)
+    got = nn.utils.clip_grad_norm_(params, max_norm=1.0)
+    res["clip_total"] = torch.allclose(got.full_tensor(), want, rtol=2e-6)
+    res["clip_grads"] = all(
+        torch.allclose(x.grad.full_tensor(), r.grad, rtol=2e-6, atol=1e-7)
+        for x, r in zip(params, ref)
+    )
+    return res
+
+
+def _two_d():
+    """2x2 mesh: the ragged split next to TP/EP Shard placements."""
+    mesh = init_device_mesh("cpu", (2, 2))
+    g = torch.Generator().manual_seed(7)
+    res = {}
+
+    def check(key, shape, placements, dim, want_placements, exact=True):
+        full = torch.randn(shape, generator=g)
+        x = veragged.distribute_tensor(full, mesh, placements)
+        res[f"{key}.full"] = _replicated(
+            torch.linalg.vector_norm(x), torch.linalg.vector_norm(full), False
+        )
+        res[f"{key}.inf"] = _replicated(
+            torch.linalg.vector_norm(x, math.inf), torch.linalg.vector_norm(full, math.inf), True
+        )
+        for ord in ORDS:
+            got = torch.linalg.vector_norm(x, ord, dim)
+            want = torch.linalg.vector_norm(full, ord, dim)
+            if exact or ord in EXACT:
+                res[f"{key}.{ord}"] = _ragged(got, want, want_placements)
+            else:
+                res[f"{key}.{ord}"] = (
+                    got.placements == tuple(want_placements)
+                    and torch.allclose(got.full_tensor(), want, rtol=2e-6, atol=0)
+                ) or f"{got.placements} {got.full_tensor()} != {want}"
+
+    # FSDP over EP/TP (StridedRaggedShard): dim 0 stays cut by both; dim 1 is local.
+    check("strided", (8, 3), [RaggedShard((0,), (1, 3)), Shard(0)], 1,
+          [StridedRaggedShard((0,), (1, 3), 2), Shard(0)])
+    # TP Shard(1) reduced: the tp ranks' partials are all-reduced and it becomes Replicate.
+    check("tp_reduced", (4, 6), [RaggedShard((0,), (1, 1)), Shard(1)], 1,
+          [RaggedShard((0,), (1, 1)), Replicate()], exact=False)
+    # TP Shard(1) kept (dim 2 reduced), and renumbered when a dim before it goes.
+    check("tp_kept", (4, 6, 5), [RaggedShard((0,), (3, 1)), Shard(1)], 2,
+          [RaggedShard((0,), (3, 1)), Shard(1)])
+    check("tp_renumbered", (4, 5, 6), [RaggedShard((0,), (1, 0)), Shard(2)], 1,
+          [RaggedShard((0,), (1, 0)), Shard(1)])
+    # The whole tensor on one dp rank per tp piece; reducing dim 0 removes the Shard(0).
+    check("strided_dims0", (4, 3), [RaggedShard((), (1, 0)), Shard(0)], 0,
+          [RaggedShard((), (1, 0)), Replicate()], exact=False)
+    # HSDP: Replicate next to the RaggedShard.
+    check("hsdp", (6, 5), [Replicate(), RaggedShard((0,), (0, 1))], -1,
+          [Replicate(), RaggedShard((0,), (0, 1))])
+    x = veragged.distribute_tensor(torch.randn(6, 5), mesh, [Shard(0), RaggedShard((0, 1), (4, 11))])
+    res["ragged_dims"] = _raises(
+        lambda: torch.linalg.vector_norm(x, dim=1), NotImplementedError, "dim=1", "ragged"
+    )
+    return res
+
+
+def _check(results):
+    for rank, res in enumerate(results):
+        bad = {k: v for k, v in res.items() if v is not True}
+        assert not bad, (rank, bad)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_norms_match_the_full_tensor_on_a_1d_mesh(world):
+    _check(get_pool(world).run(_one_d, world))
+
+
+def test_norms_next_to_shard_placements_on_a_2x2_mesh():
+    _check(get_pool(4).run(_two_d))

@@ -1,0 +1,241 @@
+"""Vector norms of RaggedShard DTensors.
+
+[Note: norms on RaggedShard]
+`torch.linalg.vector_norm` (and `aten.linalg_vector_norm` below it), every `ord` (p > 0, p < 0,
+0, inf, -inf), `keepdim` and `dtype`:
+- over all dims (no `dim`, `dim=None`, every dim, or dims that leave one element): each rank
+  reduces its shard to a float64 partial, one all-reduce per sharded mesh dim combines them (sum
+  of |x|^p, max or min of |x|, count of nonzeros), and the result is a Replicate DTensor, as for
+  the other full reductions ([Note: reductions on RaggedShard]). A Partial placement raises.
+- over dims that leave the ragged-sharded dims (the RaggedShard's `dims`) alone: every row of the
+  result is the norm of one row of the input, so each rank runs torch's own kernel on its rows
+  and the result stays RaggedShard, with the same `dims` and `local_units` on the kept dims. A
+  `Shard(d)` on another mesh dim keeps sharding dim d when d is kept; when d is reduced, the
+  partials are all-reduced over that mesh dim (as above) and it becomes Replicate. Reducing a
+  ragged-sharded dim raises NotImplementedError (rows cut between ranks would need another
+  layout for the result).
+`torch.linalg.norm`, `torch.norm`, `Tensor.norm` and `torch.linalg.matrix_norm` are composites:
+torch's own argument handling runs on a meta tensor of the global shape, and when it computes one
+vector norm of the whole input (vector norms, 'fro'), that vector norm runs as above; the other
+matrix norms ('nuc', ord=2, ...) need whole matrices and raise. `torch._foreach_norm` (what
+`clip_grad_norm_` calls) reduces a list with one all-reduce per mesh dim for the whole list.
+
+Numbers, compared with torch's norm of the full tensor:
+- inf, -inf and 0 are exact (NaN propagates as in torch);
+- over all dims with finite p, each rank's partial is torch's norm n of its shard (computed in
+  float32 for half/bf16), raised to p in float64; the sum's p-th root is rounded once to the
+  output dtype. When one rank holds every element, this is torch's result bitwise for p = 1 and
+  2 (n^2 is exact in float64 for float32 n, and sqrt(n^2) = n). Otherwise the summation order
+  differs from torch's single-process one and the result can differ in the last ulp (about 1e-7
+  relative for float32; float64 partials can round n^p too);
+- over kept ragged dims without a reduced Shard, each output element is computed by torch's own
+  kernel on the same row, so it is torch's result.
+Autograd does not flow through these ops; with grad mode on, an input that requires grad raises.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from veragged.placement.reductions import _check_grad, _reduce_dims, _split_input, all_reduce
+
+__all__ = ["NORM_FUNCTIONS", "NORM_PACKETS"]
+
+aten = torch.ops.aten
+
+_WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+def _ragged(x):
+    from veragged.placement.dtensor import as_ragged
+
+    return as_ragged(x)
+
+
+def _reduce_op(ord: float):
+    return {math.inf: dist.ReduceOp.MAX, -math.inf: dist.ReduceOp.MIN}.get(ord, dist.ReduceOp.SUM)
+
+
+def _part(t: torch.Tensor, ord: float, dims=None, dtype=None) -> torch.Tensor:
+    """The float64 partial of `t` over `dims` (None: all) whose all-reduce gives the norm:
+    sum |x|^ord, max |x| (inf), min |x| (-inf) or the count of nonzeros (0)."""
+    if dtype is not None:
+        t = t.to(dtype)  # torch casts the input first
+    if dims is None and t.numel() == 0:  # the identity; torch's norm of an empty shard raises
+        return torch.tensor(math.inf if ord == -math.inf else 0.0, dtype=torch.float64,
+                            device=t.device)
+    if ord == 0:
+        return torch.count_nonzero(t, dims).to(torch.float64)
+    if ord in (math.inf, -math.inf):
+        return torch.linalg.vector_norm(t, ord, dims).to(torch.float64)
+    norm = torch.linalg.vector_norm(t, ord, dims, dtype=_WIDE.get(t.dtype))
+    return norm.to(torch.float64).pow(ord)
+
+
+def _finish(part: torch.Tensor, ord: float) -> torch.Tensor:
+    """The norm from an all-reduced partial (still float64)."""
+    if ord in (0, math.inf, -math.inf):
+        return part
+    return part.sqrt() if ord == 2 else part.pow(1.0 / ord)
+
+
+def _norms(dts: list[DTensor], ord: float, dtype, out_dtypes) -> list[DTensor]:
+    """Norms over all elements of `dts` as Replicate DTensors of dtypes `out_dtypes`; one
+    all-reduce per mesh dim for all tensors that share a mesh and sharded mesh dims."""
+    out: list[DTensor | None] = [None] * len(dts)
+    groups: dict[tuple, list[int]] = {}
+    for i, dt in enumerate(dts):
+        mesh_dims, placements = _reduce_dims("linalg.vector_norm", dt)
+        groups.setdefault((dt.device_mesh, tuple(mesh_dims), placements), []).append(i)
+    for (mesh, mesh_dims, placements), index in groups.items():
+        parts = torch.stack([_part(dts[i]._local_tensor, ord, dtype=dtype) for i in index])
+        parts = _finish(all_reduce(parts, _reduce_op(ord), mesh, mesh_dims), ord)
+        for j, i in enumerate(index):
+            value = parts[j].to(out_dtypes[i])
+            out[i] = DTensor.from_local(value, mesh, placements, run_check=False)
+    return out
+
+
+def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
+    """`torch.linalg.vector_norm` / `aten.linalg_vector_norm`; see [Note: norms on RaggedShard]."""
+    dt = _ragged(x)
+    if out is not None:
+        raise NotImplementedError(
+            "torch.linalg.vector_norm(out=...) is not supported on RaggedShard DTensors"
+        )
+    # torch's argument checks, output shape and dtype, on the global shape.
+    meta = torch.linalg.vector_norm(
+        torch.empty(dt.shape, dtype=dt.dtype, device="meta"), ord, dim, keepdim, dtype=dtype
+    )
+    _check_grad("linalg.vector_norm", dt, meta.dtype)
+    ord = float(ord)
+    given = () if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
+    dims = sorted({d % dt.dim() for d in given}) if dt.dim() else []
+    if meta.numel() == 1 or not dims or len(dims) == dt.dim():
+        (norm,) = _norms([dt], ord, dtype, [meta.dtype])
+        return DTensor.from_local(
+            norm._local_tensor.reshape(meta.shape), norm.device_mesh, norm.placements,
+            run_check=False,
+        )
+    return _norm_over_dims(dt, ord, dim, dims, dtype, meta, keepdim)
+
+
+def _norm_over_dims(dt, ord: float, dim, dims: list[int], dtype, meta, keepdim: bool):
+    """The norm over `dims`, none of them ragged-sharded: a RaggedShard DTensor of `meta`'s shape."""
+    from veragged.placement.dtensor import RaggedDTensor, make_spec
+    from veragged.placement.layout import normalize_placements, spec_layout
+
+    layout = spec_layout(dt._spec)
+    k = len(layout.placement.dims)
+    call = f"torch.linalg.vector_norm(dim={dim})"
+    if dims[0] < k:
+        raise NotImplementedError(
+            f"{call} on a RaggedShard DTensor of shape {list(dt.shape)} with placements "
+            f"{dt.placements}: it reduces the ragged-sharded dims {layout.placement.dims}; only "
+            "dims after them or all dims are supported; redistribute to Replicate or Shard first"
+        )
+    placements, combine = [], []
+    for j, p in enumerate(dt.placements):
+        if isinstance(p, Partial):
+            raise NotImplementedError(
+                f"{call} of a RaggedShard DTensor with Partial placements {dt.placements}: "
+                "reduce the Partial mesh dim first"
+            )
+        if type(p) is Shard:
+            d = p.dim % dt.dim()
+            if d in dims:  # partials of this mesh dim's ranks are combined below
+                combine.append(j)
+                p = Replicate()
+            elif not keepdim:
+                p = Shard(d - sum(r < d for r in dims))
+        placements.append(p)
+    # The local tensor holds whole rows of this rank's block: reduce its dims after the rows.
+    rows = layout.end - layout.begin
+    view = dt._local_tensor.reshape(rows, *layout.block_shape[k:])
+    local_dims = tuple(d - k + 1 for d in dims)
+    if not combine:
+        local = torch.linalg.vector_norm(view, ord, local_dims, dtype=dtype)
+    else:
+        part = all_reduce(_part(view, ord, local_dims, dtype), _reduce_op(ord), dt.device_mesh,
+                          combine)
+        local = _finish(part, ord).to(meta.dtype)
+    placements = normalize_placements(meta.shape, dt.device_mesh, placements)
+    spec = make_spec(dt.device_mesh, placements, meta.shape, meta.dtype)
+    return RaggedDTensor._wrap(local.reshape(-1), spec)
+
+
+def _foreach_norm(tensors, ord=2, dtype=None):
+    """`torch._foreach_norm` of RaggedShard DTensors (what `clip_grad_norm_` calls)."""
+    from veragged.placement.dtensor import RaggedDTensor
+
+    tensors = [_ragged(t) for t in tensors]
+    if not all(isinstance(t, RaggedDTensor) for t in tensors):
+        raise ValueError(
+            "torch._foreach_norm: lists mixing RaggedShard DTensors with other tensors "
+            "are not supported"
+        )
+    out_dtypes = [dtype or t.dtype.to_real() for t in tensors]
+    for t, out_dtype in zip(tensors, out_dtypes):
+        _check_grad("_foreach_norm", t, out_dtype)
+    return _norms(tensors, float(ord), dtype, out_dtypes)
+
+
+class _Record(TorchDispatchMode):
+    """Records the aten ops a function runs (on meta tensors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _composite(name: str, fn):
+    """A norm function built on `aten.linalg_vector_norm` (`torch.linalg.norm`, ...): torch's own
+    code runs on a meta tensor of the global shape; if it is one vector norm of the input, that
+    norm runs on the DTensor."""
+
+    def handler(*args, **kwargs):
+        x, rest, kw = _split_input(args, kwargs)
+        dt = _ragged(x)
+        meta = torch.empty(dt.shape, dtype=dt.dtype, device="meta")
+        with _Record() as record:
+            fn(meta, *rest, **kw)  # raises torch's own errors for bad arguments
+        calls = record.calls
+        if (
+            len(calls) != 1
+            or calls[0][0] is not aten.linalg_vector_norm.default
+            or calls[0][1][0] is not meta
+        ):
+            ops = ", ".join(str(c[0]) for c in calls)
+            raise NotImplementedError(
+                f"{name} with arguments {rest} {kw} on a RaggedShard DTensor runs {ops}, not one "
+                "vector norm of its input (matrix norms other than 'fro' need whole matrices); "
+                "redistribute to Replicate or Shard first"
+            )
+        _, call_args, call_kwargs = calls[0]
+        return _vector_norm(dt, *call_args[1:], **call_kwargs)
+
+    return handler
+
+
+# `__torch_function__` entries (func -> handler(*args, **kwargs)), and aten packets for
+# `__torch_dispatch__`.
+NORM_FUNCTIONS = {
+    torch.linalg.vector_norm: _vector_norm,
+    torch._foreach_norm: _foreach_norm,
+    torch.linalg.norm: _composite("torch.linalg.norm", torch.linalg.norm),
+    torch.linalg.matrix_norm: _composite("torch.linalg.matrix_norm", torch.linalg.matrix_norm),
+    torch.norm: _composite("torch.norm", torch.norm),
+    torch.Tensor.norm: _composite("Tensor.norm", torch.Tensor.norm),
+}
+NORM_PACKETS = {aten.linalg_vector_norm: _vector_norm, aten._foreach_norm: _foreach_norm}
