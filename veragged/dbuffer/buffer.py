@@ -294,8 +294,11 @@ class DBuffer:
                 (self._unsharded,), (self._gather_version,)
             )
         else:
+            # Gathered as bytes, as torch's FSDP2 does: every parameter dtype (float8, uint16,
+            # ...) moves, whatever dtypes the backend reduces (gloo refuses several).
             self._gather_work = dist.all_gather_into_tensor(
-                self._unsharded, source, group=self.group, async_op=True
+                self._unsharded.view(torch.uint8), source.view(torch.uint8), group=self.group,
+                async_op=True,
             )
         if not async_op:
             self.wait_unshard()

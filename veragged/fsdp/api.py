@@ -260,17 +260,38 @@ def _check_module(module: nn.Module) -> None:
         )
 
 
-def _block_size(fqn, p, granularity_fn, shard_placement_fn) -> int:
+def _shard_dim(fqn, p, shard_placement_fn, world: int) -> int | None:
+    """The dim `shard_placement_fn` asks for (None: the default), checked as torch checks it."""
+    placement = shard_placement_fn(p) if shard_placement_fn is not None else None
+    if placement is None:
+        return None
+    if not isinstance(placement, Shard):
+        raise ValueError(
+            f"shard_placement_fn({fqn!r}) must return a Shard or None, got {placement!r}"
+        )
+    dim = placement.dim + p.ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < p.ndim:  # torch's wording
+        raise AssertionError(
+            f"Shard dim {placement.dim} is invalid for {p.ndim}D tensor: {p.shape} ({fqn!r})"
+        )
+    if dim > 0 and p.shape[dim] % world:
+        raise NotImplementedError(
+            f"FSDP does not support uneven sharding on dim {dim}: {p.shape} "
+            f"(world size: {world}; {fqn!r})"
+        )
+    return dim
+
+
+def _block_size(fqn, p, granularity_fn, dim: int | None) -> int:
     block = None
-    if shard_placement_fn is not None:
-        placement = shard_placement_fn(p)
-        if placement is not None:
-            if not (isinstance(placement, Shard) and placement.dim == 0):
-                raise NotImplementedError(
-                    f"shard_placement_fn({fqn!r}) = {placement!r}: veragged shards whole rows "
-                    "(Shard(0)) or blocks (granularity_fn); other placements are not supported"
-                )
-            block = p.numel() // p.shape[0] if p.shape[0] else 1
+    if dim is not None:
+        if dim > 0:
+            raise NotImplementedError(
+                f"shard_placement_fn({fqn!r}) = Shard({dim}): veragged shards whole rows of the "
+                "leading dims (Shard(0)) or blocks (granularity_fn); a RaggedShard on a later "
+                "dim is not supported yet"
+            )
+        block = p.numel() // p.shape[0] if p.shape[0] else 1
     if granularity_fn is not None:
         g = granularity_fn(fqn, p)
         block = block if g is None else g
@@ -369,12 +390,14 @@ def fully_shard(
                 f"{tuple(p.shape)} and stride {p.stride()}"
             )
     params = [e for e in params if e[0] not in shared]
+    # Every placement is checked (torch's errors) before any is refused as unsupported.
+    dims = {id(p): _shard_dim(f, p, shard_placement_fn, shard_world) for f, p, _ in params}
     by_dtype: dict[torch.dtype, list] = {}
     for entry in params:
         by_dtype.setdefault(entry[1].dtype, []).append(entry)
     groups = []
     for entries in by_dtype.values():
-        blocks = [_block_size(f, p, granularity_fn, shard_placement_fn) for f, p, _ in entries]
+        blocks = [_block_size(f, p, granularity_fn, dims[id(p)]) for f, p, _ in entries]
         buffer = DBuffer(
             [(fqn, p.detach()) for fqn, p, _ in entries],
             mesh,
