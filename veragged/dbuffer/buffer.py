@@ -44,11 +44,14 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from veragged.dbuffer import ops
+from veragged.placement.api import distribute_tensor
 from veragged.placement.dtensor import RaggedDTensor, make_spec
 from veragged.placement.ragged_shard import RaggedShard
+from veragged.placement.redistribute import redistribute
 from veragged.planner import plan
 
 __all__ = ["DBuffer"]
@@ -211,8 +214,8 @@ class DBuffer:
         old_shard_grad = self._shard_grad
         new_params = self._make_buffers(shard)
         for i, (old, fresh) in enumerate(zip(self.params, new_params)):
-            old.grad = None
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch._C.DisableTorchFunctionSubclass():  # no ragged hooks (see `_sharded`)
+                old.grad = None
                 fresh.requires_grad_(old.requires_grad)
             try:
                 torch.utils.swap_tensors(old, fresh)
@@ -233,8 +236,34 @@ class DBuffer:
                 self._shard_grad.copy_(old_shard_grad)
             for p, e, g in zip(self.params, self.entries, old_grads):
                 if g is not None:
-                    p.grad = self._sharded(e, self._shard_grad, requires_grad=False)
+                    with torch._C.DisableTorchFunctionSubclass():
+                        p.grad = self._sharded(e, self._shard_grad, requires_grad=False)
         return True
+
+    def load_(self, i: int, value: torch.Tensor) -> None:
+        """Copy `value` into tensor `i`'s part of the shard (cast and moved as needed).
+
+        `value` is a DTensor on this buffer's mesh, redistributed first if its placements differ
+        from tensor `i`'s (a collective: every rank of the mesh loads it), or a plain tensor
+        holding the full value, of which each rank takes its own elements.
+        """
+        p = self.params[i]
+        if value.shape != p.shape:
+            raise ValueError(
+                f"{self.entries[i].name}: cannot load a tensor of shape {list(value.shape)} into "
+                f"a parameter of shape {list(p.shape)}"
+            )
+        with torch.no_grad():
+            if not isinstance(value, DTensor):
+                value = distribute_tensor(value, self.mesh, p.placements, src_data_rank=None)
+            elif value.device_mesh != self.mesh:
+                raise ValueError(
+                    f"{self.entries[i].name}: cannot load a DTensor on {value.device_mesh} into "
+                    f"a parameter on {self.mesh}"
+                )
+            elif tuple(value.placements) != p.placements:
+                value = redistribute(value, self.mesh, p.placements)
+            p._local_tensor.copy_(value._local_tensor.reshape(-1))
 
     # --- views -------------------------------------------------------------------------------
 
@@ -250,7 +279,11 @@ class DBuffer:
         if not requires_grad:
             return dt
         trainable = buf.dtype.is_floating_point or buf.dtype.is_complex
-        return torch.nn.Parameter(dt, requires_grad=trainable)
+        # Without the ragged accumulation hooks of `requires_grad_` (the buffer writes the
+        # gradients; autograd never accumulates into them): no weak reference to the parameter,
+        # so `apply_` can swap it in place.
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.nn.Parameter(dt, requires_grad=trainable)
 
     @staticmethod
     def _free(buf: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from veragged.dbuffer.buffer import DBuffer
 from veragged.fsdp.group import ParamGroup
 from veragged.fsdp.state import FSDPState
+from veragged.fsdp.state_dict import register_state_dict_hooks
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
 
@@ -430,28 +431,10 @@ def fully_shard(
         # torch's composable registry: tooling that asks "is this module fully sharded?"
         # (`replicate` leaving FSDP parameters to FSDP) gets the answer it gets for torch's.
         m.__dict__.setdefault(REGISTRY_KEY, OrderedDict()).setdefault("fully_shard", RegistryItem())
-        m.register_state_dict_pre_hook(lambda *a, **k: _reshard(state))
-        m._register_load_state_dict_pre_hook(lambda *a, **k: _reshard(state))
-        m.register_load_state_dict_post_hook(lambda *a, **k: _retake(state))
+        register_state_dict_hooks(m, state)
         cls = type(m)
         if cls not in _CLASS_CACHE:
             _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
         m.__class__ = _CLASS_CACHE[cls]
     return module
 
-
-def _reshard(state: FSDPState) -> None:
-    for g in state.groups:
-        g.reshard()
-
-
-def _retake(state: FSDPState) -> None:
-    """After `load_state_dict(assign=True)`: copy what was assigned into the DBuffers and
-    register the sharded parameters again."""
-    for g in state.groups:
-        for i, (p, places) in enumerate(zip(g.sharded, g.locations)):
-            for mod, name in places:
-                q = mod._parameters.get(name)
-                if q is not None and q is not p:
-                    g.reset_sharded_param(i, q)
-        g.reshard()

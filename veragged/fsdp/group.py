@@ -106,12 +106,15 @@ class ParamGroup:
         self._register(self.sharded)
 
     def reset_sharded_param(self, i: int, value: torch.Tensor) -> None:
-        """Take `value` (what `load_state_dict(assign=True)` registered) into the DBuffer."""
-        p = self.sharded[i]
-        local = value.to_local() if hasattr(value, "to_local") else value
-        with torch.no_grad():
-            p.to_local().copy_(local.reshape(p.to_local().shape))
-        p.requires_grad_(value.requires_grad)
+        """Take `value` (what `load_state_dict(assign=True)` registered for parameter `i`) into
+        the DBuffer, materialising a DBuffer on the meta device on the mesh's device first
+        (zeros); see [Note: fully_shard state dicts]."""
+        if self.buffer.device.type == "meta":
+            device = torch.device(self.buffer.mesh.device_type)
+            self.apply_(lambda t: torch.zeros_like(t, device=device))
+        self.buffer.load_(i, value)
+        with torch._C.DisableTorchFunctionSubclass():  # no ragged accumulation hooks
+            self.sharded[i].requires_grad_(value.requires_grad)
 
     # --- forward -----------------------------------------------------------------------------
 

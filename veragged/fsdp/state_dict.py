@@ -1,0 +1,71 @@
+"""`fully_shard`'s state-dict hooks.
+
+[Note: fully_shard state dicts]
+- `state_dict()` and `load_state_dict()` reshard first (pre-hooks), so the keys name the sharded
+  parameters: RaggedShard DTensors whose local tensors are views into their group's DBuffer. A
+  load without `assign` copies into them in place.
+- `load_state_dict(assign=True)` registers the given tensors as the parameters. The post-hook
+  copies each into its DBuffer (`DBuffer.load_`: a DTensor with other placements is
+  redistributed, a plain tensor is the full value) and registers the DBuffer's parameters again,
+  so parameter objects, their storage and optimizer state stay valid. A meta tensor carries no
+  data and is not taken.
+- A group whose DBuffer is on the meta device (`fully_shard` under `torch.device("meta")`) is
+  materialised on the mesh's device once every one of its parameters was assigned a value.
+  Until then (`strict=False` loads in pieces) its modules keep what was assigned, as torch's do,
+  and the first forward raises for the groups still on meta.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from veragged.fsdp.group import ParamGroup
+
+if TYPE_CHECKING:
+    from veragged.fsdp.state import FSDPState
+
+__all__ = ["register_state_dict_hooks", "take_assigned"]
+
+
+def register_state_dict_hooks(module: nn.Module, state: FSDPState) -> None:
+    """Hook `module` (one of `state`'s modules) as [Note: fully_shard state dicts] describes."""
+    module.register_state_dict_pre_hook(lambda *a, **k: _reshard(state))
+    module._register_load_state_dict_pre_hook(lambda *a, **k: _reshard(state))
+    module.register_load_state_dict_post_hook(lambda *a, **k: take_assigned(state))
+
+
+def _on_meta(g: ParamGroup) -> bool:
+    return g.buffer.device.type == "meta"
+
+
+def _reshard(state: FSDPState) -> None:
+    """Register the sharded parameters; a group on meta keeps what a partial load assigned."""
+    for g in state.groups:
+        if not _on_meta(g):
+            g.reshard()
+
+
+def _assigned(g: ParamGroup, i: int) -> torch.Tensor | None:
+    """What a load registered in place of parameter `i` of `g` (None: nothing with data)."""
+    for mod, name in g.locations[i]:
+        q = mod._parameters.get(name)
+        if q is not None and q is not g.sharded[i] and q is not g.unsharded[i] and not q.is_meta:
+            return q
+    return None
+
+
+def take_assigned(state: FSDPState) -> None:
+    """Take the tensors registered in place of `state`'s sharded parameters (by
+    `load_state_dict(assign=True)`, or set as module attributes) into the DBuffers and register the
+    sharded parameters again; see [Note: fully_shard state dicts]."""
+    for g in state.groups:
+        values = [_assigned(g, i) for i in range(len(g.sharded))]
+        if _on_meta(g) and any(v is None for v in values):
+            continue  # loaded in pieces: the rest comes with a later load
+        for i, v in enumerate(values):
+            if v is not None:
+                g.reset_sharded_param(i, v)
+        g.reshard()
