@@ -421,7 +421,7 @@ def test_bad_inputs_name_the_value():
     assert "non-contiguous" in errors["channels_last"]
     assert "'cpu'" in errors["mesh"]
     assert "ModuleList" in errors["container"]
-    assert "reshard_after_forward=3" in errors["reshard_int"]
+    assert "factor of 2, not 3" in errors["reshard_int"]  # torch's wording
 
 
 # --- mixed dtypes, world of one ------------------------------------------------------------------
@@ -525,6 +525,45 @@ def _meta_init(impl):
 def test_meta_device_init():
     got, ref = get_pool(2).run(_meta_init, "veragged")[0]
     _same(ref, got)  # random init of sharded parameters equals one process's, bitwise
+
+
+# --- reshard_after_forward=k: parameters kept sharded over k ranks between forward and backward
+
+def _reshard_to_k(impl, k):
+    torch.manual_seed(0)
+    model = _shard(Net(), impl, reshard_after_forward=k)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    out, kept = [], []
+    for step in range(3):
+        if step == 1:  # a step between a forward (no backward) and the next forward
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            with torch.no_grad():
+                model(_data(9, dist.get_rank()))
+            optim.step()
+        loss = model(_data(step, dist.get_rank())).sum()
+        if impl == "veragged":  # blocks keep 1/k of their parameters until backward
+            kept.append(all(b._veragged_state.groups[0].buffer._post_forward is not None
+                            for b in model.blocks))
+        loss.backward()
+        out.append(_grads(model))
+        optim.step()
+        optim.zero_grad()
+    return out, _params(model), kept
+
+
+def test_reshard_after_forward_to_a_smaller_world():
+    # torch's reshard_after_forward=2 all-gathers its post-forward shards after that step,
+    # values from before it (torch 2.15); veragged gathers them again from the updated shards,
+    # so it is compared with torch's reshard_after_forward=True, which k must not change.
+    ref = get_pool(4).run(_reshard_to_k, "torch", True)
+    res = get_pool(4).run(_reshard_to_k, "veragged", 2)
+    for rank in range(4):
+        (g_t, p_t, _), (g_v, p_v, kept) = ref[rank], res[rank]
+        assert kept == [True, True, True]
+        for a, b in zip(g_t, g_v):
+            _same(a, b, atol=1e-5)
+        _same(p_t, p_v, atol=1e-5)
 
 
 # --- a grouped fully_shard([norm, head]) whose head runs on its own (chunked loss) -------------

@@ -188,6 +188,8 @@ class DBuffer:
         self._free(self._grads)
         self._shard_grad: torch.Tensor | None = None
         self._acc: torch.Tensor | None = None  # reduce-dtype gradient sum over no-sync steps
+        self._post_forward = None  # (kept chunk, group, shard version): see `reshard`
+        self._gather_keep = None
         return params
 
     def apply_(self, fn) -> bool:
@@ -314,6 +316,17 @@ class DBuffer:
         # The version is restored after the wait, as a backend may write the output (and bump
         # its version) on its own thread any time before the wait returns (gloo copies out).
         self._gather_version = self._unsharded._version
+        post_forward, self._post_forward = self._post_forward, None
+        if post_forward is not None and post_forward[2] == self._params_version():
+            keep, group, _ = post_forward  # reshard_after_forward=k: gather within k ranks
+            self._gather_keep = keep  # alive until the wait
+            self._gather_work = dist.all_gather_into_tensor(
+                self._unsharded.view(torch.uint8), keep.view(torch.uint8), group=group,
+                async_op=True,
+            )
+            if not async_op:
+                self.wait_unshard()
+            return self._gather_work
         if self.param_dtype == self.dtype:
             source = self.shard
         else:  # cast this rank's shard into its own slot, then gather in place
@@ -341,13 +354,31 @@ class DBuffer:
         if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work = None
+            self._gather_keep = None
             torch._C._autograd._unsafe_set_version_counter(
                 (self._unsharded,), (self._gather_version,)
             )
 
-    def reshard(self) -> None:
-        """Free the unsharded buffer's storage (its views stay, without memory, until unshard)."""
+    def _params_version(self) -> tuple[int, ...]:
+        """The version counters of the sharded parameters' local tensors: an in-place write
+        (optimizer step, load, init) to any of them changes the tuple."""
+        return tuple(p._local_tensor._version for p in self.params)
+
+    def reshard(self, post_forward_group: dist.ProcessGroup | None = None) -> None:
+        """Free the unsharded buffer's storage (its views stay, without memory, until unshard).
+
+        With `post_forward_group` (k consecutive ranks of the shard dim: `reshard_after_forward=k`)
+        this rank first keeps its 1/k of the unsharded buffer, so that the next `unshard()`
+        gathers within that smaller group, unless the shard changed in between.
+        """
         self.wait_unshard()
+        self._post_forward = None
+        if post_forward_group is not None and self.is_unsharded:
+            k = post_forward_group.size()
+            j = dist.get_group_rank(post_forward_group, dist.get_rank())
+            chunk = self._unsharded.numel() // k  # k divides the world, so P * S
+            keep = self._unsharded[j * chunk : (j + 1) * chunk].clone()
+            self._post_forward = (keep, post_forward_group, self._params_version())
         self._free(self._unsharded)
 
     # --- gradients ---------------------------------------------------------------------------
@@ -487,6 +518,18 @@ class DBuffer:
         if accumulate:  # tensors whose .grad was dropped (set to None) start again from zero
             ops.zero_ranges_(self._shard_grad, [e.local for _, e in unbound])
             ops.accumulate_(self._shard_grad, reduced[:S], scale)
+            # A gradient the user assigned (not a view of this buffer) is accumulated into, as
+            # torch's FSDP2 adds the reduced gradient to an existing sharded `.grad`.
+            for p, e in unbound:
+                if p.grad is not None:
+                    old = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    if old.numel() != e.local[1] - e.local[0]:
+                        raise ValueError(
+                            f"{e.name}.grad: expected this rank's {e.local[1] - e.local[0]} "
+                            f"elements ({p.placements}), got a tensor of shape "
+                            f"{list(old.shape)}"
+                        )
+                    self._shard_grad[e.local[0] : e.local[1]].add_(old.reshape(-1))
         else:
             ops.cast_scale_(self._shard_grad, reduced[:S], scale)
         for p, e in unbound:

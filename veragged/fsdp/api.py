@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Callable, Iterable
@@ -109,6 +110,7 @@ class FSDPModule(TorchFSDPModule):
             )
         for g in self._groups(recurse):
             g.reshard_after_forward = reshard_after_forward
+            g.post_forward_group = None  # a bool: the whole world (as torch)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
@@ -236,6 +238,18 @@ def _collect(modules: tuple[nn.Module, ...], ignored: set[int]):
     return list(found.values())
 
 
+_POST_FORWARD_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+def _post_forward_group(mesh: DeviceMesh, k: int) -> dist.ProcessGroup:
+    """This rank's group of k consecutive ranks of the shard dim (of each replica with HSDP),
+    as torch's `mesh.view(-1, k)`; made once per (mesh, k) by every rank together."""
+    key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), k)
+    if key not in _POST_FORWARD_GROUPS:
+        _POST_FORWARD_GROUPS[key] = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, k)).get_group(1)
+    return _POST_FORWARD_GROUPS[key]
+
+
 def _default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
         raise ValueError("fully_shard needs torch.distributed to be initialized (or a mesh=)")
@@ -347,13 +361,22 @@ def fully_shard(
     auto = reshard_after_forward is None
     if auto:
         reshard_after_forward = True
-    elif isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        if reshard_after_forward != shard_world:
-            raise NotImplementedError(
-                f"reshard_after_forward={reshard_after_forward}: resharding to a smaller world "
-                f"after forward is not supported yet (use True, False, None or {shard_world})"
+    post_forward_group = None
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        k = reshard_after_forward
+        if k < 1 or k > shard_world or shard_world % k:  # torch's wording
+            raise ValueError(
+                "If passing reshard_after_forward as an int, it should be a factor of "
+                f"{shard_world}, not {k}"
             )
-        reshard_after_forward = True
+        if k == 1:
+            warnings.warn(
+                "reshard_after_forward=1 (int) means resharding parameters to world size 1, "
+                "instead of reshard_after_forward=True (bool)", stacklevel=2,
+            )
+        elif k < shard_world:
+            post_forward_group = _post_forward_group(mesh, k)
+        reshard_after_forward = k > 1
     elif not isinstance(reshard_after_forward, bool):
         raise ValueError(
             f"reshard_after_forward must be None, a bool or an int, got {reshard_after_forward!r}"
@@ -416,6 +439,7 @@ def fully_shard(
             [loc for *_, loc in entries],
             buffer,
             reshard_after_forward=reshard_after_forward,
+            post_forward_group=post_forward_group,
         )
         group.reshard()
         groups.append(group)

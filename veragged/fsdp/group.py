@@ -34,12 +34,16 @@ class ParamGroup:
         buffer: DBuffer,
         *,
         reshard_after_forward: bool,
+        post_forward_group=None,
     ):
         self.fqns = fqns
         self.locations = locations  # per parameter, every (module, attribute name) holding it
         self.buffer = buffer
         self.training_state = TrainingState.IDLE
         self.reshard_after_forward = reshard_after_forward
+        # reshard_after_forward=k: after forward, keep the parameters sharded over this group of
+        # k ranks (1/k of them per rank), so backward gathers within it (e.g. within a node).
+        self.post_forward_group = post_forward_group
         self.reshard_after_backward = True
         self.reduce_grads = True  # set_requires_gradient_sync
         self.all_reduce_grads = True  # set_requires_all_reduce (HSDP)
@@ -91,10 +95,11 @@ class ParamGroup:
                 u.requires_grad_(s.requires_grad)
         self._register(self.unsharded)
 
-    def reshard(self) -> None:
-        """Register the sharded parameters again and free the unsharded buffer."""
+    def reshard(self, post_forward: bool = False) -> None:
+        """Register the sharded parameters again and free the unsharded buffer (after forward
+        keeping a 1/k copy if `post_forward_group` is set)."""
         self._register(self.sharded)
-        self.buffer.reshard()
+        self.buffer.reshard(self.post_forward_group if post_forward else None)
 
     def apply_(self, fn) -> None:
         """`Module._apply` on this group (see `DBuffer.apply_`)."""
@@ -125,7 +130,7 @@ class ParamGroup:
     def post_forward(self, order: list["ParamGroup"], reshard: bool = True) -> None:
         if reshard:
             if self.reshard_after_forward:
-                self.reshard()
+                self.reshard(post_forward=True)
             self.post_forward_indices.append(len(order))
             order.append(self)
         self.training_state = TrainingState.IDLE
