@@ -2,8 +2,10 @@
 
 [Note: norms on RaggedShard] (veragged/placement/norms.py): over all dims a Replicate DTensor,
 exact for inf/-inf/0 and when one rank holds everything (ord 1, 2), within a few ulps otherwise;
-over dims after the ragged-sharded ones a RaggedShard DTensor, bitwise torch's. The checks run on
-the persistent gloo pools (2 and 4 ranks, a 2x2 mesh on 4), one job per test.
+over dims after the ragged-sharded ones a RaggedShard DTensor, bitwise torch's. `_foreach_norm`
+gives torch's partial placements (as on Shard DTensors) and `clip_grad_norm_` one all-reduce per
+mesh dim. The checks run on the persistent gloo pools (2 and 4 ranks, a 2x2 mesh on 4), one job
+per test.
 """
 
 import math
@@ -12,13 +14,15 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
 
 import veragged
 from veragged import RaggedShard, StridedRaggedShard
 from veragged.testing.pool import get_pool
 
 ORDS = (2, 1, 3, 0.5, -1, math.inf, -math.inf, 0)
+funcol_all_reduce = torch.ops.c10d_functional.all_reduce
 EXACT = (math.inf, -math.inf, 0)
 
 
@@ -193,34 +197,96 @@ def _special_values(mesh, world):
     return res
 
 
-def _foreach_and_clip(mesh, world):
-    res = {}
-    fulls = [torch.randn(shape) for shape, _ in _cases(world)]
-    xs = [veragged.distribute_tensor(f, mesh, [p]) for f, (_, p) in zip(fulls, _cases(world))]
-    for ord in (2, math.inf, -math.inf, 0, 1.5):
-        got = torch._foreach_norm(xs, ord)
-        want = torch._foreach_norm(fulls, ord)
-        res[f"foreach.{ord}"] = all(
-            _replicated(a, b, ord in EXACT) is True for a, b in zip(got, want)
-        )
-    got = torch._foreach_norm(xs, 2, dtype=torch.float64)
-    res["foreach.dtype"] = all(
-        _replicated(a, torch.linalg.vector_norm(f, dtype=torch.float64), False, 1e-13) is True
-        for a, f in zip(got, fulls)
+def _torch_norm_placements(mesh, placements, ord):
+    """The placements of torch's `_foreach_norm` of a DTensor sharded (Shard, every rank holding
+    elements) where `placements` shard, and replicated where they replicate."""
+    shards = [p if isinstance(p, Replicate) else Shard(j) for j, p in enumerate(placements)]
+    probe = torch.distributed.tensor.distribute_tensor(torch.ones([4] * mesh.ndim), mesh, shards)
+    return torch._foreach_norm([probe], ord)[0].placements
+
+
+def _partial_norm(got, x, full, ord, dtype=None, rtol=5e-6):
+    """`_foreach_norm` output `got` of RaggedShard `x`: a 0-dim torch DTensor with torch's
+    placements, holding torch's norm of this rank's shard (the identity on an empty shard:
+    inf for ord < 0, else 0) and reducing to torch's norm of `full`."""
+    local = x.to_local()
+    if local.numel():
+        want_local = torch._foreach_norm([local], ord, dtype=dtype)[0]
+    else:
+        out_dtype = dtype or full.dtype.to_real()
+        want_local = torch.tensor(math.inf if ord < 0 else 0.0, dtype=out_dtype)
+    want = torch.linalg.vector_norm(full, ord, dtype=dtype)
+    ok = (
+        type(got) is DTensor
+        and got.placements == _torch_norm_placements(x.device_mesh, x.placements, ord)
+        and (got.shape, got.dtype) == (torch.Size([]), want.dtype)
+        and torch.equal(got.to_local(), want_local)
     )
+    value = got.full_tensor()
+    rtol = 0 if ord in EXACT else rtol
+    ok = ok and torch.allclose(value, want, rtol=rtol, atol=0)
+    return ok or f"{got.placements} {got.to_local()!r} {value!r} != {want_local!r} {want!r}"
+
+
+def _clip(mesh, fulls, placements, norm_type, foreach):
+    """clip_grad_norm_ on RaggedShard gradients against torch on the full ones; with foreach,
+    one functional all-reduce per sharded mesh dim and nothing else (torch's count for Shard)."""
     ref = [nn.Parameter(f.clone()) for f in fulls]
-    params = [nn.Parameter(veragged.distribute_tensor(f, mesh, x.placements)) for f, x in
-              zip(fulls, xs)]
-    for r, x in zip(ref, params):
+    params = [
+        nn.Parameter(veragged.distribute_tensor(f, mesh, p)) for f, p in zip(fulls, placements)
+    ]
+    for r, x, p in zip(ref, params, placements):
         r.grad = r.detach() * 3
-        x.grad = veragged.distribute_tensor(r.grad, mesh, x.placements)
-    want = nn.utils.clip_grad_norm_(ref, max_norm=1.0)
-    got = nn.utils.clip_grad_norm_(params, max_norm=1.0)
-    res["clip_total"] = torch.allclose(got.full_tensor(), want, rtol=2e-6)
-    res["clip_grads"] = all(
+        x.grad = veragged.distribute_tensor(r.grad, mesh, p)
+    want = nn.utils.clip_grad_norm_(ref, max_norm=1.0, norm_type=norm_type)
+    comm = CommDebugMode()
+    with comm:
+        got = nn.utils.clip_grad_norm_(params, max_norm=1.0, norm_type=norm_type, foreach=foreach)
+    rtol = 0 if norm_type == math.inf else 2e-6
+    ok = torch.allclose(got.full_tensor(), want, rtol=rtol) and all(
         torch.allclose(x.grad.full_tensor(), r.grad, rtol=2e-6, atol=1e-7)
         for x, r in zip(params, ref)
     )
+    if foreach:
+        counts = comm.get_comm_counts()
+        sharded = sum(any(not p[j].is_replicate() for p in placements) for j in range(mesh.ndim))
+        ok = ok and counts == {funcol_all_reduce: sharded}
+        return ok or f"{counts} {got.placements} {got.full_tensor()} != {want}"
+    return ok or f"{got.full_tensor()} != {want}"
+
+
+def _foreach_and_clip(mesh, world):
+    """`_foreach_norm`: per tensor this rank's norm, partial like torch's on Shard DTensors (no
+    communication); clip_grad_norm_ reduces the total once per mesh dim."""
+    res = {}
+    fulls = [torch.randn(shape) for shape, _ in _cases(world)]
+    placements = [[p] for _, p in _cases(world)]
+    xs = [veragged.distribute_tensor(f, mesh, p) for f, p in zip(fulls, placements)]
+    for ord in ORDS:
+        comm = CommDebugMode()
+        with comm:
+            got = torch._foreach_norm(xs, ord)
+        res[f"foreach.comm.{ord}"] = comm.get_total_counts() == 0
+        for i, (a, x, f) in enumerate(zip(got, xs, fulls)):
+            res[f"foreach.{i}.{ord}"] = _partial_norm(a, x, f, ord)
+    for i, (a, x, f) in enumerate(zip(torch._foreach_norm(xs, 2, dtype=torch.float64), xs, fulls)):
+        res[f"foreach.dtype.{i}"] = _partial_norm(a, x, f, 2, torch.float64, 1e-13)
+    bf16 = [x.bfloat16() for x in xs]
+    for i, (a, x, f) in enumerate(zip(torch._foreach_norm(bf16, 1), bf16, fulls)):
+        res[f"foreach.bf16.{i}"] = _partial_norm(a, x, f.bfloat16(), 1, rtol=1e-2)
+    # No element anywhere: torch's result (0) or error (inf), on every rank.
+    xe = veragged.distribute_tensor(torch.zeros(0, 5), mesh, [RaggedShard((0,), (1,) * world)])
+    res["foreach.empty.2"] = torch._foreach_norm([xe])[0].full_tensor().item() == 0
+    res["foreach.empty.inf"] = _raises(
+        lambda: torch._foreach_norm([xe], math.inf), RuntimeError, "inf"
+    )
+    leaf = nn.Parameter(xs[0].clone())
+    res["foreach.grad"] = _raises(
+        lambda: torch._foreach_norm([leaf]), NotImplementedError, "no_grad"
+    )
+    for norm_type in (2, 1, math.inf):
+        for foreach in (True, False):
+            res[f"clip.{norm_type}.{foreach}"] = _clip(mesh, fulls, placements, norm_type, foreach)
     return res
 
 
@@ -270,6 +336,25 @@ def _two_d():
     x = veragged.distribute_tensor(torch.randn(6, 5), mesh, [Shard(0), RaggedShard((0, 1), (4, 11))])
     res["ragged_dims"] = _raises(
         lambda: torch.linalg.vector_norm(x, dim=1), NotImplementedError, "dim=1", "ragged"
+    )
+    # _foreach_norm and clip_grad_norm_ next to TP/EP (Shard) and HSDP (Replicate) mesh dims.
+    fulls = [torch.randn(8, 3, generator=g), torch.randn(6, 5, generator=g),
+             torch.randn(6, 5, generator=g)]
+    placements = [[RaggedShard((0,), (1, 3)), Shard(0)], [Shard(0), RaggedShard((0, 1), (4, 11))],
+                  [Replicate(), RaggedShard((0,), (0, 1))]]
+    xs = [veragged.distribute_tensor(f, mesh, p) for f, p in zip(fulls, placements)]
+    for ord in ORDS:
+        for i, (a, x, f) in enumerate(zip(torch._foreach_norm(xs, ord), xs, fulls)):
+            res[f"foreach.{i}.{ord}"] = _partial_norm(a, x, f, ord)
+    for norm_type in (2, math.inf):
+        res[f"clip.tp.{norm_type}"] = _clip(mesh, fulls[:2], placements[:2], norm_type, True)
+        res[f"clip.hsdp.{norm_type}"] = _clip(mesh, fulls[2:], placements[2:], norm_type, True)
+    local = torch.randn(3 if mesh.get_local_rank(1) else 9)
+    partial = veragged.DTensor.from_local(
+        local, mesh, [Partial(), RaggedShard((0,), (3, 1))], shape=(4, 3)
+    )
+    res["foreach.partial"] = _raises(
+        lambda: torch._foreach_norm([partial]), NotImplementedError, "Partial"
     )
     return res
 

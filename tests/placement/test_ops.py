@@ -1,6 +1,7 @@
 """Ops on RaggedShard DTensors (4 gloo ranks).
 
-Covers element-wise ops, _foreach_*, fused AdamW, norms and errors.
+Covers element-wise ops, _foreach_* (also on lists mixing plain tensors), fused AdamW, norms and
+errors.
 """
 
 import math
@@ -8,11 +9,14 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.experimental import implicit_replication
 
 import veragged
 from veragged import RaggedShard
 from veragged.testing import get_mesh, run_on_ranks
+from veragged.testing.pool import get_pool
 
 WORLD = 4
 SHAPES = [
@@ -202,5 +206,79 @@ def _unsupported_ops():
 
 def test_unsupported_ops_raise_clear_errors():
     for res in run_on_ranks(_unsupported_ops, WORLD, timeout=120):
+        bad = {k: v for k, v in res.items() if v is not True}
+        assert not bad, bad
+
+
+def _mixed_lists():
+    """`_foreach_*`/fused ops on lists mixing RaggedShard DTensors with plain tensors (FSDP next to
+    replicate()), with ranks holding no element: the ragged positions run on the shards, the
+    others as torch's op; checked against the same ops on full tensors."""
+    mesh = init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(1)
+    shapes = [(6, 4), (8, 8), (5,), (3, 3), (4, 2)]
+    placements = [
+        RaggedShard((0,), (1, 2)), None, RaggedShard((), (0, 1)), None, RaggedShard((0, 1), (8, 0))
+    ]
+    fulls = [torch.randn(s, generator=g) for s in shapes]
+    grads = [torch.randn(s, generator=g) for s in shapes]
+
+    def shard(t, p):
+        return t.clone() if p is None else veragged.distribute_tensor(t, mesh, [p])
+
+    def full(x):
+        return x.full_tensor() if isinstance(x, DTensor) else x.detach()
+
+    res = {}
+    # Adam steps inside implicit_replication(), as torch's FSDP tests with replicate() do.
+    for kw in ({"foreach": True}, {"fused": True}):
+        ref = [torch.nn.Parameter(f.clone()) for f in fulls]
+        params = [torch.nn.Parameter(shard(f, p)) for f, p in zip(fulls, placements)]
+        opt_ref = torch.optim.Adam(ref, lr=0.1, **kw)
+        opt = torch.optim.Adam(params, lr=0.1, **kw)
+        for step in range(3):
+            for r, x, gr, p in zip(ref, params, grads, placements):
+                r.grad = gr * (step + 1)
+                x.grad = shard(r.grad, p)
+            opt_ref.step()
+            with implicit_replication():
+                opt.step()
+        rtol = 1e-6 if "fused" in kw else 0  # fused CPU kernel: see _optimizer
+        res[f"adam.{kw}"] = all(
+            torch.allclose(full(x), r.detach(), rtol=rtol, atol=0) for x, r in zip(params, ref)
+        ) and all(isinstance(opt.state[x]["exp_avg"], DTensor) == (p is not None)
+                  for x, p in zip(params, placements))
+    xs = [shard(f, p) for f, p in zip(fulls, placements)]
+    ys = [shard(f, p) for f, p in zip(grads, placements)]
+    with implicit_replication():
+        outs = torch._foreach_add(xs, ys, alpha=2.0)
+        torch._foreach_mul_(outs, [1.0, 2.0, 3.0, 4.0, 5.0])  # a scalar list, split too
+        norms = torch._foreach_norm(xs, 2)
+    want = [(f + 2.0 * o) * (i + 1) for i, (f, o) in enumerate(zip(fulls, grads))]
+    res["out_of_place"] = [type(o) for o in outs] == [type(x) for x in xs] and all(
+        torch.equal(full(o), w) for o, w in zip(outs, want)
+    )
+    res["norm"] = all(
+        (type(n) is DTensor) == (p is not None)
+        and torch.allclose(full(n), torch.linalg.vector_norm(f), rtol=2e-6, atol=0)
+        for n, f, p in zip(norms, fulls, placements)
+    )
+    # A torch Shard(0) DTensor at another position is torch's; no plain tensor, no context needed.
+    s0 = torch.distributed.tensor.distribute_tensor(fulls[1], mesh, [Shard(0)])
+    torch._foreach_mul_([xs[0], s0], 2.0)
+    res["shard0"] = torch.equal(s0.full_tensor(), fulls[1] * 2)
+    res["no_implicit_replication"] = _raises(
+        lambda: torch._foreach_add_(xs, ys), RuntimeError, "implicit_replication()"
+    )
+    with implicit_replication():
+        res["inconsistent_position"] = _raises(
+            lambda: torch._foreach_add_([xs[0], xs[1]], [fulls[0], ys[1]]),
+            ValueError, "shape [6, 4] at list position 0",
+        )
+    return res
+
+
+def test_foreach_ops_on_lists_mixing_ragged_and_plain_tensors():
+    for res in get_pool(2).run(_mixed_lists):
         bad = {k: v for k, v in res.items() if v is not True}
         assert not bad, bad

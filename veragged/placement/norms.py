@@ -17,8 +17,19 @@
 `torch.linalg.norm`, `torch.norm`, `Tensor.norm` and `torch.linalg.matrix_norm` are composites:
 torch's own argument handling runs on a meta tensor of the global shape, and when it computes one
 vector norm of the whole input (vector norms, 'fro'), that vector norm runs as above; the other
-matrix norms ('nuc', ord=2, ...) need whole matrices and raise. `torch._foreach_norm` (what
-`clip_grad_norm_` calls) reduces a list with one all-reduce per mesh dim for the whole list.
+matrix norms ('nuc', ord=2, ...) need whole matrices and raise.
+
+`torch._foreach_norm` (what `clip_grad_norm_` calls on its foreach path) communicates nothing,
+as torch's does on Shard DTensors: output i is a 0-dim torch DTensor holding this rank's norm of
+tensor i's shard (torch's kernel; a shard with no element holds the identity, inf for ord < 0 and
+0 otherwise), with the placement torch gives a norm over a sharded mesh dim on every
+RaggedShard/Shard mesh dim (torch 2.15: `_NormPartial(ord)`, or Partial max/min/sum for
+inf/-inf/0) and Replicate on Replicate ones (a Partial input raises). So `clip_grad_norm_` stacks
+and reduces them with torch's own DTensor ops and turns the total into Replicate with one
+functional all-reduce per sharded mesh dim, as with torch's FSDP. Unlike the reductions above,
+the outputs are partial: `.full_tensor()` gives the norm of the full tensor, `.to_local()` and
+`.item()` this rank's part (as with torch's Shard DTensors); the all-reduce is torch's, whose
+max/min may drop a NaN on some backends (gloo).
 
 Numbers, compared with torch's norm of the full tensor:
 - inf, -inf and 0 are exact (NaN propagates as in torch);
@@ -29,7 +40,9 @@ Numbers, compared with torch's norm of the full tensor:
   differs from torch's single-process one and the result can differ in the last ulp (about 1e-7
   relative for float32; float64 partials can round n^p too);
 - over kept ragged dims without a reduced Shard, each output element is computed by torch's own
-  kernel on the same row, so it is torch's result.
+  kernel on the same row, so it is torch's result;
+- `torch._foreach_norm(...)[i].full_tensor()`: torch combines the ranks' norms in the output
+  dtype (n^p, sum, p-th root), within a few ulps of its norm of the full tensor for finite p.
 Autograd does not flow through these ops; with grad mode on, an input that requires grad raises.
 """
 
@@ -40,7 +53,8 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.distributed.tensor._ops import _math_ops
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from veragged.placement.reductions import _check_grad, _reduce_dims, _split_input, all_reduce
@@ -85,23 +99,6 @@ def _finish(part: torch.Tensor, ord: float) -> torch.Tensor:
     return part.sqrt() if ord == 2 else part.pow(1.0 / ord)
 
 
-def _norms(dts: list[DTensor], ord: float, dtype, out_dtypes) -> list[DTensor]:
-    """Norms over all elements of `dts` as Replicate DTensors of dtypes `out_dtypes`; one
-    all-reduce per mesh dim for all tensors that share a mesh and sharded mesh dims."""
-    out: list[DTensor | None] = [None] * len(dts)
-    groups: dict[tuple, list[int]] = {}
-    for i, dt in enumerate(dts):
-        mesh_dims, placements = _reduce_dims("linalg.vector_norm", dt)
-        groups.setdefault((dt.device_mesh, tuple(mesh_dims), placements), []).append(i)
-    for (mesh, mesh_dims, placements), index in groups.items():
-        parts = torch.stack([_part(dts[i]._local_tensor, ord, dtype=dtype) for i in index])
-        parts = _finish(all_reduce(parts, _reduce_op(ord), mesh, mesh_dims), ord)
-        for j, i in enumerate(index):
-            value = parts[j].to(out_dtypes[i])
-            out[i] = DTensor.from_local(value, mesh, placements, run_check=False)
-    return out
-
-
 def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     """`torch.linalg.vector_norm` / `aten.linalg_vector_norm`; see [Note: norms on RaggedShard]."""
     dt = _ragged(x)
@@ -118,11 +115,11 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     given = () if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
     dims = sorted({d % dt.dim() for d in given}) if dt.dim() else []
     if meta.numel() == 1 or not dims or len(dims) == dt.dim():
-        (norm,) = _norms([dt], ord, dtype, [meta.dtype])
-        return DTensor.from_local(
-            norm._local_tensor.reshape(meta.shape), norm.device_mesh, norm.placements,
-            run_check=False,
-        )
+        mesh_dims, placements = _reduce_dims("linalg.vector_norm", dt)
+        part = _part(dt._local_tensor, ord, dtype=dtype)
+        norm = _finish(all_reduce(part, _reduce_op(ord), dt.device_mesh, mesh_dims), ord)
+        value = norm.to(meta.dtype).reshape(meta.shape)
+        return DTensor.from_local(value, dt.device_mesh, placements, run_check=False)
     return _norm_over_dims(dt, ord, dim, dims, dtype, meta, keepdim)
 
 
@@ -170,20 +167,44 @@ def _norm_over_dims(dt, ord: float, dim, dims: list[int], dtype, meta, keepdim: 
     return RaggedDTensor._wrap(local.reshape(-1), spec)
 
 
-def _foreach_norm(tensors, ord=2, dtype=None):
-    """`torch._foreach_norm` of RaggedShard DTensors (what `clip_grad_norm_` calls)."""
-    from veragged.placement.dtensor import RaggedDTensor
+def _norm_placement(ord: float) -> Placement:
+    """The placement torch's sharding propagation gives the norm of a tensor sharded on a mesh dim,
+    so that our norms stack and reduce with torch's (ord inf/-inf/0: Partial max/min/sum)."""
+    if hasattr(_math_ops, "_get_norm_reduction_op"):
+        return _math_ops.get_placement_from_reduction_op(_math_ops._get_norm_reduction_op(ord))
+    return _math_ops._NormPartial(ord)  # older torch: one placement that reduces every ord
 
-    tensors = [_ragged(t) for t in tensors]
-    if not all(isinstance(t, RaggedDTensor) for t in tensors):
-        raise ValueError(
-            "torch._foreach_norm: lists mixing RaggedShard DTensors with other tensors "
-            "are not supported"
+
+def _foreach_norm(tensors, ord=2, dtype=None):
+    """`torch._foreach_norm` of RaggedShard DTensors: per tensor, this rank's norm as a 0-dim
+    DTensor, partial over the sharded mesh dims ([Note: norms on RaggedShard])."""
+    tensors = [_ragged(t) for t in tensors]  # all RaggedShard: ops.py splits mixed lists
+    ord = float(ord)
+    placements = []
+    for t in tensors:
+        _check_grad("_foreach_norm", t, dtype or t.dtype.to_real())
+        if any(isinstance(p, Partial) for p in t.placements):
+            raise NotImplementedError(
+                f"torch._foreach_norm of a RaggedShard DTensor with Partial placements "
+                f"{t.placements}: reduce the Partial mesh dim first"
+            )
+        placements.append(
+            [p if isinstance(p, Replicate) else _norm_placement(ord) for p in t.placements]
         )
-    out_dtypes = [dtype or t.dtype.to_real() for t in tensors]
-    for t, out_dtype in zip(tensors, out_dtypes):
-        _check_grad("_foreach_norm", t, out_dtype)
-    return _norms(tensors, float(ord), dtype, out_dtypes)
+    # A shard with no element (of a tensor with some) holds the reduction's identity; the others
+    # (and tensors with no element anywhere: torch's result or error) take torch's kernel.
+    computed = [i for i, t in enumerate(tensors) if t._local_tensor.numel() or not t.numel()]
+    locals_ = [tensors[i]._local_tensor for i in computed]
+    norms = dict(zip(computed, torch._foreach_norm(locals_, ord, dtype=dtype) if locals_ else ()))
+    out = []
+    for i, (t, p) in enumerate(zip(tensors, placements)):
+        value = norms.get(i)
+        if value is None:
+            value = torch.tensor(
+                math.inf if ord < 0 else 0.0, dtype=dtype or t.dtype.to_real(), device=t.device
+            )
+        out.append(DTensor.from_local(value, t.device_mesh, p, run_check=False))
+    return out
 
 
 class _Record(TorchDispatchMode):

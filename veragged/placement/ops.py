@@ -13,6 +13,13 @@ DTensor subclass; 2.11's C++ dispatch fast path skips a subclass's `__torch_disp
   DTensors). The Python function runs on the local tensors under `_Allowlist`, a dispatch mode
   that lets only those aten ops through, so a composite function that reduces or reshapes
   inside raises instead of computing on one shard.
+- `_foreach_*` and fused optimizer ops whose lists hold RaggedShard DTensors at some positions
+  and other tensors at others (torch's optimizers group FSDP parameters with `replicate()`d or
+  ignored plain ones): the op runs twice, on the positions holding a RaggedShard DTensor (as
+  above) and on the others (torch's op on them: the plain op for plain tensors, torch's DTensor
+  for other DTensors), and the outputs are put back in order. As torch's DTensor treats plain
+  tensors next to DTensors as replicated only under `implicit_replication()`, a plain tensor of
+  more than one element at such a position raises outside it.
 - Vector norms (`torch.linalg.vector_norm`, `torch.linalg.norm`, `Tensor.norm`, ...) over all
   dims or over dims that keep the ragged-sharded rows, and `torch._foreach_norm` (what
   `clip_grad_norm_` calls): [Note: norms on RaggedShard] (norms.py).
@@ -34,6 +41,7 @@ from torch.distributed.tensor.placement_types import Partial
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from veragged.placement.layout import ragged_mesh_dim
 from veragged.placement.norms import NORM_FUNCTIONS, NORM_PACKETS
 from veragged.placement.random_ops import RANDOM_FUNCTIONS, RANDOM_PACKETS, random_op
 from veragged.placement.reductions import REDUCTION_FUNCTIONS, REDUCTION_PACKETS
@@ -148,13 +156,14 @@ def _layout_error(name, a: DTensor, b: DTensor) -> ValueError:
     )
 
 
-def _unwrap_scalar(name, t: torch.Tensor):
+def _unwrap_scalar(name, t: torch.Tensor, slot: int):
     """A non-ragged tensor operand: allowed if 0-dim (its value is the same on every rank)."""
     if t.dim() != 0:
+        where = f" at list position {slot}" if slot >= 0 else ""
         raise ValueError(
             f"{name}: a RaggedShard DTensor can only be combined with RaggedShard DTensors "
             f"of the same layout or with 0-dim tensors, "
-            f"got a {type(t).__name__} of shape {list(t.shape)}"
+            f"got a {type(t).__name__} of shape {list(t.shape)}{where}"
         )
     if isinstance(t, DTensor):
         if any(isinstance(p, Partial) for p in t.placements):
@@ -191,7 +200,7 @@ def _unwrap(name: str, args, kwargs):
             locals_to_dt[id(x._local_tensor)] = x
             return x._local_tensor
         if isinstance(x, torch.Tensor):
-            return _unwrap_scalar(name, x)
+            return _unwrap_scalar(name, x, slot)
         return x
 
     def arg(x):
@@ -244,6 +253,72 @@ def _name(func) -> str:
     return getattr(func, "__name__", None) or str(func)
 
 
+def _holds_ragged(x) -> bool:
+    return isinstance(x, DTensor) and ragged_mesh_dim(x._spec.placements) is not None
+
+
+_PER_POSITION = ("_foreach_", *_FUSED_OPTIMIZER_PREFIXES)
+
+
+def _split_mixed(func, args, kwargs):
+    """A `_foreach_*` or fused optimizer call whose lists hold RaggedShard DTensors at some
+    positions only: one call on those positions and one on the others, outputs put back in list
+    order (see [Note: ops on RaggedShard DTensors]). NotImplemented for any other call."""
+    name = _name(func)
+    if not name.startswith(_PER_POSITION):
+        return NotImplemented
+    values = (*args, *kwargs.values())
+    n = next(
+        (len(v) for v in values
+         if isinstance(v, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in v)),
+        None,
+    )
+    if n is None:
+        return NotImplemented
+    # Per-position arguments: the lists of that length (tensors, or scalars such as Adam's
+    # step sizes); other arguments (scalars, a 0-dim coefficient, an empty list) go to both.
+    lists = [v for v in values if isinstance(v, (list, tuple)) and len(v) == n]
+    ragged = [i for i in range(n) if any(_holds_ragged(v[i]) for v in lists)]
+    if not ragged or len(ragged) == n:
+        return NotImplemented
+    others = sorted(set(range(n)) - set(ragged))
+    if not DTensor._op_dispatcher._allow_implicit_replication:
+        for v in lists:
+            for i in others:
+                plain = isinstance(v[i], torch.Tensor) and not isinstance(v[i], DTensor)
+                if plain and v[i].numel() != 1:
+                    raise RuntimeError(
+                        f"{name}: list position {i} holds a plain tensor of shape "
+                        f"{list(v[i].shape)} while other positions hold RaggedShard DTensors; "
+                        "as with torch's DTensor, plain tensors are combined with DTensors only "
+                        "under torch.distributed.tensor.experimental.implicit_replication()"
+                    )
+
+    def call(index):
+        def pick(v):
+            if isinstance(v, (list, tuple)) and len(v) == n:
+                return type(v)(v[i] for i in index)
+            return v
+
+        return func(*map(pick, args), **{k: pick(v) for k, v in kwargs.items()})
+
+    return _merge(call(ragged), call(others), ragged, others)
+
+
+def _merge(a, b, first: list[int], second: list[int]):
+    """The outputs `a` (of list positions `first`) and `b` (of `second`) of the two calls of
+    `_split_mixed` as one output in list order."""
+    if not isinstance(a, (list, tuple)):
+        return a  # None: an in-place op
+    if a and isinstance(a[0], (list, tuple)):  # one list per output (out-of-place fused ops)
+        return type(a)(_merge(x, y, first, second) for x, y in zip(a, b))
+    out = [None] * (len(first) + len(second))
+    for index, values in ((first, a), (second, b)):
+        for i, v in zip(index, values):
+            out[i] = v
+    return type(a)(out)
+
+
 def _new_tensor(x, *args, **kwargs):
     """`x.new_tensor(data)`: a plain tensor, as torch's DTensor gives (dtype/device from x)."""
     with torch._C.DisableTorchFunctionSubclass():
@@ -273,6 +348,9 @@ def handle_torch_function(func, args, kwargs):
             from veragged.placement.dtensor import accumulate_grads_locally
 
             accumulate_grads_locally(args[0])
+        return out
+    out = _split_mixed(func, args, kwargs)
+    if out is not NotImplemented:
         return out
     # An aten overload called directly (`torch.ops.aten.sum.default(x)`) takes its packet's handler.
     special = _SPECIAL.get(func) or _PACKETS.get(getattr(func, "overloadpacket", None))
@@ -328,6 +406,9 @@ def _elementwise(func) -> bool:
 def handle_torch_dispatch(func, args, kwargs):
     """`RaggedDTensor.__torch_dispatch__`: aten ops that reach the subclass without a torch function
     call (e.g. gradient accumulation in the autograd engine, on torch versions that call it)."""
+    out = _split_mixed(func, args, kwargs)
+    if out is not NotImplemented:
+        return out
     packet = getattr(func, "overloadpacket", None)
     if packet in RANDOM_PACKETS:
         return random_op(func, args, kwargs)
