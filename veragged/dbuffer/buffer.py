@@ -188,7 +188,8 @@ class DBuffer:
         self._free(self._grads)
         self._shard_grad: torch.Tensor | None = None
         self._acc: torch.Tensor | None = None  # reduce-dtype gradient sum over no-sync steps
-        self._post_forward = None  # (kept chunk, group, shard version): see `reshard`
+        self._post_forward = None  # (kept chunk, group, parameter versions): see `reshard`
+        self._partial: torch.Tensor | None = None  # HSDP sum awaiting its all-reduce
         self._gather_keep = None
         return params
 
@@ -488,12 +489,24 @@ class DBuffer:
             work.wait()
         del source
         S = self.shard_size
-        replicas = 1
-        for d in range(self.mesh.ndim):
-            if d != self.shard_dim:
-                if all_reduce and self.mesh.size(d) > 1:
-                    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.mesh.get_group(d))
-                replicas *= self.mesh.size(d)
+        replica_dims = [d for d in range(self.mesh.ndim)
+                        if d != self.shard_dim and self.mesh.size(d) > 1]
+        replicas = math.prod(self.mesh.size(d) for d in replica_dims)
+        if replica_dims and not all_reduce:
+            # HSDP micro-batch without the all-reduce (set_requires_all_reduce(False)): keep the
+            # reduce-scattered sum aside, as torch does; the next all-reducing micro-batch adds
+            # it in before its all-reduce. The sharded gradients are not touched until then.
+            if self._partial is None:
+                self._partial = reduced[:S].clone()
+            else:
+                self._partial.add_(reduced[:S])
+            self._free(self._grads)
+            return [False] * len(self.params)
+        if self._partial is not None:
+            reduced = reduced[:S] + self._partial
+            self._partial = None
+        for d in replica_dims:
+            dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.mesh.get_group(d))
         if hook is not None:
             fn, stream = hook
             if stream is None:

@@ -236,6 +236,7 @@ class ParamGroup:
         self.buffer.wait_unshard()
         self._bind = None
         self.buffer._reduce = None
+        self.buffer._partial = None
         self._grads_live = False
         self._has_grad = [False] * len(self.sharded)
         for u in self.unsharded:
