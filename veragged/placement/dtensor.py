@@ -226,3 +226,14 @@ class RaggedDTensor(DTensor):
             "pickling a RaggedShard DTensor is not supported; "
             "save it with torch.distributed.checkpoint or pickle .full_tensor()"
         )
+
+
+# torch's foreach paths (optimizers, clip_grad_norm_) take only the exact types in these lists;
+# torch registers DTensor itself (torch/distributed/tensor/__init__.py), not its subclasses.
+# RaggedDTensor runs every _foreach_* op, so it registers the same way.
+from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types  # noqa: E402
+from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types  # noqa: E402
+
+for _types in (_optim_foreach_types, _util_foreach_types):
+    if RaggedDTensor not in _types:
+        _types.append(RaggedDTensor)
