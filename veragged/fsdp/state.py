@@ -46,6 +46,7 @@ from torch.autograd import Variable
 from torch.distributed.utils import _apply_to_tensors
 
 from veragged.fsdp.group import ParamGroup, TrainingState
+from veragged.fsdp.state_dict import take_assigned
 
 __all__ = ["FSDPState", "StateContext"]
 
@@ -161,6 +162,10 @@ class FSDPState:
                 continue
             if state.init_error is not None:
                 raise state.init_error
+            # Parameters set on the modules since fully_shard (`module.w = nn.Parameter(...)`
+            # in an init function) are taken into the DBuffers, as torch's lazy init resets
+            # sharded parameters from what the modules hold.
+            take_assigned(state)
             if state is not self and state.is_root is not None:
                 raise RuntimeError(
                     f"fully_shard state of {name!r} was already initialised: run forward "
