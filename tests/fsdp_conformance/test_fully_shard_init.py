@@ -1017,6 +1017,12 @@ class TestFullyShardHSDPBroadcast(FSDPTest):
     def world_size(self) -> int:
         return 4
 
+    @torch_only(
+        "asserts that the local tensors of two replicas differ after filling one with 1337: "
+        "torch.chunk gives every rank part of every parameter; RaggedShard keeps small "
+        "parameters whole on one shard rank, so the other rank's local tensors are empty on "
+        "both replicas and compare equal"
+    )
     def test_hsdp_broadcast_across_replicas(self):
         shard_size, replicate_size = 2, 2
         mesh = init_device_mesh(

@@ -21,29 +21,11 @@ import veragged
 from veragged import RaggedShard, StridedRaggedShard
 from veragged.testing.pool import get_pool
 
+from test_ops_reductions_random import _cases  # the same layouts: empty ranks, whole tensors
+
 ORDS = (2, 1, 3, 0.5, -1, math.inf, -math.inf, 0)
 funcol_all_reduce = torch.ops.c10d_functional.all_reduce
 EXACT = (math.inf, -math.inf, 0)
-
-
-def _cases(world):
-    """(shape, placement): elements cut with an empty rank, rows with an empty rank, the whole
-    tensor on one rank (dims=()), uneven rows, a 1-D tensor on one rank."""
-    if world == 4:
-        return [
-            ((7, 13), RaggedShard((0, 1), (30, 0, 51, 10))),
-            ((18, 5), RaggedShard((0,), (5, 0, 9, 4))),
-            ((3, 4, 5), RaggedShard((), (0, 0, 1, 0))),
-            ((5, 3, 2), RaggedShard((0,), (1, 1, 1, 2))),
-            ((37,), RaggedShard((0,), (0, 37, 0, 0))),
-        ]
-    return [
-        ((7, 13), RaggedShard((0, 1), (40, 51))),
-        ((18, 5), RaggedShard((0,), (0, 1))),
-        ((3, 4, 5), RaggedShard((), (0, 1))),
-        ((5, 3, 2), RaggedShard((0,), (2, 3))),
-        ((37,), RaggedShard((0,), (1, 0))),
-    ]
 
 
 def _raises(fn, exc, *texts):
