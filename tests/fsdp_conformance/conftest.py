@@ -26,15 +26,27 @@ def _known() -> dict[str, str]:
     return known
 
 
+# Which implementations run: VERAGGED_CONFORMANCE=veragged (the default: our variants, ~8 min on
+# 2 cores), =all (torch's variants too, the reference that shows each port passes with torch;
+# ~14 min), =off (none).
+_MODE = os.environ.get("VERAGGED_CONFORMANCE", "veragged")
+if _MODE not in ("veragged", "all", "off"):
+    raise ValueError(f"VERAGGED_CONFORMANCE must be veragged, all or off, got {_MODE!r}")
+if _MODE == "off":
+    collect_ignore_glob = ["test_*.py"]
+
+
 def pytest_collection_modifyitems(config, items):
     known = _known()
+    kept, dropped = [], []
     for item in items:
         name = item.nodeid.split("tests/fsdp_conformance/")[-1]
+        if "tests/fsdp_conformance/" in item.nodeid and _MODE == "veragged" and "_torch::" in name:
+            dropped.append(item)
+            continue
         if name in known:
             item.add_marker(pytest.mark.xfail(strict=True, reason=known[name]))
-
-# The suite runs when VERAGGED_CONFORMANCE=1. It is not in the default run yet: its list of known
-# veragged failures has not been triaged (see README.md); the lifecycle regression tests in
-# tests/fsdp/test_lifecycle.py run by default.
-if os.environ.get("VERAGGED_CONFORMANCE") != "1":
-    collect_ignore_glob = ["test_*.py"]
+        kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept

@@ -28,8 +28,12 @@ and autograd accumulates into it, so a reached element is never -0.0 (in round-t
 x + y is -0.0 only when both are -0.0); before the reduce-scatter each rank writes -0.0 over the
 parameters it did not reach. A SUM is then -0.0 exactly when every rank sent -0.0, i.e. when no
 rank reached the parameter, and every rank holding part of it reads the same answer from its
-first local element (gloo and NCCL add in IEEE arithmetic; adding -0.0 to a value leaves it
-unchanged, so the marks never alter a gradient). A rank holding none of a parameter answers from
+first local element. Adding -0.0 to a value leaves it unchanged, so the marks never alter a
+gradient. This needs a SUM that adds in IEEE arithmetic without a +0.0 identity: gloo's does
+(tests/fsdp/test_lifecycle.py::test_ranks_using_different_parameters); NCCL's ring and tree
+kernels add the ranks' values the same way (not yet checked on a GPU here). A backend that
+lost the sign would make every parameter read as reached, i.e. zeros instead of None, the same
+on every rank. A rank holding none of a parameter answers from
 its own backward, which agrees with the others whenever every rank reached the same parameters
 (torch's requirement in this mode); `set_reduce_scatter_unused_params(True)` instead gives every
 trainable parameter a gradient, zeros where none was reached.
