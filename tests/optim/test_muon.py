@@ -170,7 +170,8 @@ def test_distributed_equals_one_process_bitwise(kind, owners, pattern):
 def test_hsdp_equals_one_process_bitwise():
     """A 2x2 (replicate, shard) mesh: each replica group exchanges within itself."""
     results = run_on_ranks(
-        _distributed, 4, mesh_shape=(2, 2), args=("veragged", 10, "lpt", "cycle"), timeout=240
+        _distributed, 4, mesh_shape=(2, 2), mesh_dim_names=("replicate", "shard"),
+        args=("veragged", 10, "lpt", "cycle"), timeout=240,
     )
     for diffs, _ in results:
         assert max(diffs) == 0.0, diffs
