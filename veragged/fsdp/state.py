@@ -6,16 +6,22 @@ States and groups move through `TrainingState` (IDLE -> FORWARD -> IDLE -> PRE_B
 POST_BACKWARD -> IDLE), always in the methods below, never elsewhere:
 - Lazy init (first forward or `unshard`): the first state to run is the root of its subtree;
   every state below it shares the root's `StateContext` (all states in module order, the
-  post-forward order of this iteration, the one reduce-scatter in flight). With
-  `reshard_after_forward=None` the root keeps its parameters after forward, others reshard.
+  post-forward order of this iteration, the reduce-scatters in flight). Parameters set on the
+  modules since `fully_shard` are taken into the DBuffers first; a configuration error found
+  at `fully_shard` (a parameter tied across calls) or parameters still on meta raise here,
+  before anything changes, as torch's do. With `reshard_after_forward=None` the root keeps its
+  parameters after forward, others reshard.
 - pre-forward (state FORWARD): all-gather into the DBuffer's unsharded buffer, register the
   unsharded parameters, and wrap the tensor inputs in `RegisterPostBackwardFunction`, whose
   backward runs post-backward once autograd is done with the whole module (so frozen
   parameters the module's backward still needs are never freed early).
-- post-forward (state IDLE): reshard if asked, record the group in the post-forward order and
-  hook every output tensor that requires grad (found through dataclasses and containers); the
-  first hook to fire is the pre-backward.
-- pre-backward (PRE_BACKWARD): all-gather again if resharded; bind the gradient buffer's views
+- post-forward (state IDLE): reshard if asked (to k ranks with `reshard_after_forward=k`),
+  record the group in the post-forward order and hook every output tensor that requires grad
+  (found through dataclasses and containers); the first hook to fire is the pre-backward. A
+  module of a `fully_shard([a, b])` group whose group forward is incomplete (or that runs on
+  its own, as a chunked loss calls the head) hooks its outputs too.
+- pre-backward (PRE_BACKWARD): all-gather again if resharded (within the k ranks if they
+  kept their part and the parameters did not change since); bind the gradient buffer's views
   as `.grad` of the trainable unsharded parameters (autograd accumulates in place) and prefetch
   the group that ran before it in forward (or the explicit `set_modules_to_backward_prefetch`).
 - post-backward (POST_BACKWARD): reduce-scatter the *whole* gradient buffer, a collective
