@@ -306,6 +306,11 @@ class DBuffer:
     # --- parameters --------------------------------------------------------------------------
 
     @property
+    def is_meta(self) -> bool:
+        """Built under `torch.device("meta")` and not materialised yet (`to_empty`, a load)."""
+        return self.device.type == "meta"
+
+    @property
     def is_unsharded(self) -> bool:
         return self._unsharded.untyped_storage().size() > 0
 
@@ -322,17 +327,11 @@ class DBuffer:
         # its version) on its own thread any time before the wait returns (gloo copies out).
         self._gather_version = self._unsharded._version
         post_forward, self._post_forward = self._post_forward, None
+        group = self.group
         if post_forward is not None and post_forward[2] == self._params_version():
-            keep, group, _ = post_forward  # reshard_after_forward=k: gather within k ranks
-            self._gather_keep = keep  # alive until the wait
-            self._gather_work = dist.all_gather_into_tensor(
-                self._unsharded.view(torch.uint8), keep.view(torch.uint8), group=group,
-                async_op=True,
-            )
-            if not async_op:
-                self.wait_unshard()
-            return self._gather_work
-        if self.param_dtype == self.dtype:
+            source, group, _ = post_forward  # reshard_after_forward=k: gather within k ranks
+            self._gather_keep = source  # alive until the wait
+        elif self.param_dtype == self.dtype:
             source = self.shard
         else:  # cast this rank's shard into its own slot, then gather in place
             source = self._unsharded[self.rank * S : (self.rank + 1) * S]
@@ -348,7 +347,7 @@ class DBuffer:
             # Gathered as bytes, as torch's FSDP2 does: every parameter dtype (float8, uint16,
             # ...) moves, whatever dtypes the backend reduces (gloo refuses several).
             self._gather_work = dist.all_gather_into_tensor(
-                self._unsharded.view(torch.uint8), source.view(torch.uint8), group=self.group,
+                self._unsharded.view(torch.uint8), source.view(torch.uint8), group=group,
                 async_op=True,
             )
         if not async_op:

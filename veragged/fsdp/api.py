@@ -149,7 +149,7 @@ class FSDPModule(TorchFSDPModule):
             state.max_reduce_scatter_buffers = max_input_buffers
         ctx = self._veragged_state.ctx
         if ctx.all_states:  # already initialised: resolve again
-            ctx.max_reducing = max(s.max_reduce_scatter_buffers for s in ctx.all_states)
+            ctx.resolve_max_reducing()
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
                             stream: torch.Stream | None = None) -> None:

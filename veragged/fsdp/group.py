@@ -114,7 +114,7 @@ class ParamGroup:
         """Take `value` (what `load_state_dict(assign=True)` registered for parameter `i`) into
         the DBuffer, materialising a DBuffer on the meta device on the mesh's device first
         (zeros); see [Note: fully_shard state dicts]."""
-        if self.buffer.device.type == "meta":
+        if self.buffer.is_meta:
             device = torch.device(self.buffer.mesh.device_type)
             self.apply_(lambda t: torch.zeros_like(t, device=device))
         self.buffer.load_(i, value)

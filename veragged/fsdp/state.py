@@ -87,6 +87,10 @@ class StateContext:
         self.max_reducing = 1  # set_reduce_scatter_max_input_buffers: max over the states
         self.is_last_backward = True  # False: the last reduce-scatter may stay in flight
 
+    def resolve_max_reducing(self) -> None:
+        """One pipeline of reduce-scatters for the tree: the largest cap any state asked for."""
+        self.max_reducing = max(s.max_reduce_scatter_buffers for s in self.all_states)
+
     def before_reduce(self, group: ParamGroup) -> None:
         """Keep at most `max_reducing` reduce-scatters (each holding its gradient buffer) in
         flight: finish the oldest before launching the next."""
@@ -179,7 +183,7 @@ class FSDPState:
                 )
             on_meta = [
                 f"{name}.{fqn}" if name else fqn
-                for g in state.groups if g.buffer.device.type == "meta" for fqn in g.fqns
+                for g in state.groups if g.buffer.is_meta for fqn in g.fqns
             ]
             if on_meta:  # torch's wording; nothing was initialised, so a retry starts over
                 raise RuntimeError(
@@ -194,8 +198,7 @@ class FSDPState:
             state.is_root = state is self
             state.ctx = ctx
             ctx.all_states.append(state)
-        # One pipeline of reduce-scatters for the tree: the largest cap any state asked for.
-        ctx.max_reducing = max(s.max_reduce_scatter_buffers for _, s in found)
+        ctx.resolve_max_reducing()
         if self.auto_reshard_after_forward:
             for g in self.groups:
                 g.reshard_after_forward = False

@@ -37,14 +37,10 @@ def register_state_dict_hooks(module: nn.Module, state: FSDPState) -> None:
     module.register_load_state_dict_post_hook(lambda *a, **k: take_assigned(state))
 
 
-def _on_meta(g: ParamGroup) -> bool:
-    return g.buffer.device.type == "meta"
-
-
 def _reshard(state: FSDPState) -> None:
     """Register the sharded parameters; a group on meta keeps what a partial load assigned."""
     for g in state.groups:
-        if not _on_meta(g):
+        if not g.buffer.is_meta:
             g.reshard()
 
 
@@ -63,7 +59,7 @@ def take_assigned(state: FSDPState) -> None:
     sharded parameters again; see [Note: fully_shard state dicts]."""
     for g in state.groups:
         values = [_assigned(g, i) for i in range(len(g.sharded))]
-        if _on_meta(g) and any(v is None for v in values):
+        if g.buffer.is_meta and any(v is None for v in values):
             continue  # loaded in pieces: the rest comes with a later load
         for i, v in enumerate(values):
             if v is not None:
