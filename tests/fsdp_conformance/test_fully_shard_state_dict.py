@@ -9,7 +9,8 @@
 #     `device_type` come from veragged.testing.conformance; the device is CPU, the backend gloo
 #     (`"cuda"` literals -> `device_type.type`, `model.cuda()` -> `model.to(device_type)`);
 #   - world sizes: min(8, #GPUs) -> 4 (the 2-D dp x tp, HSDP and 3-D meshes need it), 2 kept;
-#   - `@skip_if_lt_x_gpu(...)` removed;
+#   - `@skip_if_lt_x_gpu(...)` removed; `@torch_only(...)` added to a test that asserts the
+#     torch.chunk layout;
 #   - subtests that need a second device are left out, because with CPU as the only device
 #     they cannot hold: test_cached_state_dict with mutate_after_state_dict=True (moves the
 #     model cpu -> cuda and expects new storage), test_dp_state_dict_cpu_offload with
@@ -43,6 +44,7 @@ from veragged.testing.conformance import (
     fully_shard,
     FSDPTest,
     instantiate_conformance_tests,
+    torch_only,
 )
 
 
@@ -54,6 +56,12 @@ class TestFullyShardStateDictMultiProcess(FSDPTest):
     def world_size(self) -> int:
         return 4
 
+    @torch_only(
+        "asserts that a rank whose local shard has data_ptr 0 (empty) is not rank 0 and holds "
+        "zeros: torch.chunk pads only the last ranks, while a planned RaggedShard layout gives "
+        "a small parameter whole to one rank, so rank 0 holds none of some (the rest of the test "
+        "passes on veragged with that assertion removed, Shard(1) subtests included)"
+    )
     def test_dp_state_dict_save_load(self):
         fsdp_mesh = init_device_mesh(device_type.type, (self.world_size,))
         self.run_subtests(

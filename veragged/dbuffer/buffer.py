@@ -142,12 +142,27 @@ class DBuffer:
         # Tensors on the meta device make a meta DBuffer: `apply_` (`to_empty`) materialises it.
         meta = any(t.is_meta for _, t in tensors)
         device = torch.device("meta") if meta else _mesh_device(mesh)
-        numels = [t.numel() for _, t in tensors]
-        blocks = list(block_sizes) if block_sizes is not None else [1] * len(tensors)
         compute = param_dtype or dtype
         itemsize = min(d.itemsize for d in (dtype, compute, reduce_dtype or compute))
-        self.layout = plan(numels, blocks, self.world, align=ALIGN_BYTES // itemsize)
-        S = self.shard_size = self.layout.shard_size
+        S = self.shard_size = self._place(tensors, block_sizes, align=ALIGN_BYTES // itemsize)
+        shard = aligned_empty(S, dtype, device)
+        if not meta:
+            shard.zero_()
+            with torch.no_grad():
+                for e, (_, t) in zip(self.entries, tensors):
+                    b, n = e.local[0], e.local[1] - e.local[0]
+                    if n:
+                        shard[b : b + n].copy_(self._local_part(e, t.detach()))
+        self.params = self._make_buffers(shard)
+        self._gather_work = None
+        self._reduce = None  # a launched reduce-scatter and how to finish it
+
+    def _place(self, tensors, block_sizes, align: int) -> int:
+        """Plan where each tensor lives: sets `self.entries` (and `self.layout`), returns S."""
+        numels = [t.numel() for _, t in tensors]
+        blocks = list(block_sizes) if block_sizes is not None else [1] * len(tensors)
+        self.layout = plan(numels, blocks, self.world, align=align)
+        S = self.layout.shard_size
         lo, hi = self.rank * S, (self.rank + 1) * S
         self.entries: list[_Entry] = []
         for (name, t), (start, end) in zip(tensors, self.layout.ranges):
@@ -157,18 +172,13 @@ class DBuffer:
             self.entries.append(
                 _Entry(name, t.shape, start, end, local, ragged_placement(t.shape, counts))
             )
-        shard = aligned_empty(S, dtype, device)
-        if not meta:
-            shard.zero_()
-            with torch.no_grad():
-                for e, (_, t) in zip(self.entries, tensors):
-                    b, n = e.local[0], e.local[1] - e.local[0]
-                    if n:
-                        src = t.detach().reshape(-1)[lo + b - e.start : lo + b - e.start + n]
-                        shard[b : b + n].copy_(src)
-        self.params = self._make_buffers(shard)
-        self._gather_work = None
-        self._reduce = None  # a launched reduce-scatter and how to finish it
+        return S
+
+    def _local_part(self, e: _Entry, t: torch.Tensor) -> torch.Tensor:
+        """This rank's elements of tensor `t` (entry `e`), flat, in shard order."""
+        b, n = e.local[0], e.local[1] - e.local[0]
+        first = self.rank * self.shard_size + b - e.start
+        return t.reshape(-1)[first : first + n]
 
     def _make_buffers(self, shard: torch.Tensor) -> list[torch.nn.Parameter]:
         """(Re)make every buffer around `shard` (dtype and device follow it); returns the new
@@ -270,7 +280,7 @@ class DBuffer:
                 )
             elif tuple(value.placements) != p.placements:
                 value = redistribute(value, self.mesh, p.placements)
-            p._local_tensor.copy_(value._local_tensor.reshape(-1))
+            p._local_tensor.view(-1).copy_(value._local_tensor.reshape(-1))
 
     # --- views -------------------------------------------------------------------------------
 
@@ -279,10 +289,14 @@ class DBuffer:
             e.placement if d == self.shard_dim else Replicate() for d in range(self.mesh.ndim)
         )
 
-    def _sharded(self, e: _Entry, buf: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    def _shard_view(self, e: _Entry, buf: torch.Tensor) -> DTensor:
+        """Tensor `e`'s sharded DTensor over `buf` (the shard or the shard gradient)."""
         local = buf[e.local[0] : e.local[1]]
         spec = make_spec(self.mesh, self.placements(e), e.shape, buf.dtype)
-        dt = RaggedDTensor(local, spec, requires_grad=False)
+        return RaggedDTensor(local, spec, requires_grad=False)
+
+    def _sharded(self, e: _Entry, buf: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+        dt = self._shard_view(e, buf)
         if not requires_grad:
             return dt
         trainable = buf.dtype.is_floating_point or buf.dtype.is_complex
@@ -327,6 +341,7 @@ class DBuffer:
         # its version) on its own thread any time before the wait returns (gloo copies out).
         self._gather_version = self._unsharded._version
         post_forward, self._post_forward = self._post_forward, None
+        out = self._gather_output()
         group = self.group
         if post_forward is not None and post_forward[2] == self._params_version():
             source, group, _ = post_forward  # reshard_after_forward=k: gather within k ranks
@@ -334,21 +349,18 @@ class DBuffer:
         elif self.param_dtype == self.dtype:
             source = self.shard
         else:  # cast this rank's shard into its own slot, then gather in place
-            source = self._unsharded[self.rank * S : (self.rank + 1) * S]
+            source = out[self.rank * S : (self.rank + 1) * S]
             ops.cast_scale_(source, self.shard, 1.0)
         if self.world == 1:  # nothing to gather: the shard is the whole buffer
             if source is self.shard:
-                ops.cast_scale_(self._unsharded, self.shard, 1.0)
+                ops.cast_scale_(out, self.shard, 1.0)
             self._gather_work = None
-            torch._C._autograd._unsafe_set_version_counter(
-                (self._unsharded,), (self._gather_version,)
-            )
+            self._finish_gather()
         else:
             # Gathered as bytes, as torch's FSDP2 does: every parameter dtype (float8, uint16,
             # ...) moves, whatever dtypes the backend reduces (gloo refuses several).
             self._gather_work = dist.all_gather_into_tensor(
-                self._unsharded.view(torch.uint8), source.view(torch.uint8), group=group,
-                async_op=True,
+                out.view(torch.uint8), source.view(torch.uint8), group=group, async_op=True,
             )
         if not async_op:
             self.wait_unshard()
@@ -359,9 +371,25 @@ class DBuffer:
             self._gather_work.wait()
             self._gather_work = None
             self._gather_keep = None
-            torch._C._autograd._unsafe_set_version_counter(
-                (self._unsharded,), (self._gather_version,)
-            )
+            self._finish_gather()
+
+    # The rank-major layout (rank r's slot at [r * S, (r + 1) * S)) is what the collectives move;
+    # here it is also the unsharded layout. `ChunkedDBuffer` overrides these three to keep its
+    # unsharded tensors in their full layout instead.
+
+    def _gather_output(self) -> torch.Tensor:
+        """Where the all-gather writes (rank-major, the param dtype)."""
+        return self._unsharded
+
+    def _finish_gather(self) -> None:
+        """After the all-gather: the unsharded views hold the values (version restored)."""
+        torch._C._autograd._unsafe_set_version_counter(
+            (self._unsharded,), (self._gather_version,)
+        )
+
+    def _rank_major(self, full: torch.Tensor) -> torch.Tensor:
+        """`full` (a P * S buffer in the unsharded layout) in the rank-major layout."""
+        return full
 
     def _params_version(self) -> tuple[int, ...]:
         """The version counters of the sharded parameters' local tensors: an in-place write
@@ -381,7 +409,7 @@ class DBuffer:
             k = post_forward_group.size()
             j = dist.get_group_rank(post_forward_group, dist.get_rank())
             chunk = self._unsharded.numel() // k  # k divides the world, so P * S
-            keep = self._unsharded[j * chunk : (j + 1) * chunk].clone()
+            keep = self._rank_major(self._unsharded)[j * chunk : (j + 1) * chunk].clone()
             self._post_forward = (keep, post_forward_group, self._params_version())
         self._free(self._unsharded)
 
@@ -393,7 +421,7 @@ class DBuffer:
         return (
             g is not None
             and self._shard_grad is not None
-            and isinstance(g, RaggedDTensor)
+            and isinstance(g, DTensor)
             and g._local_tensor.untyped_storage().data_ptr()
             == self._shard_grad.untyped_storage().data_ptr()
         )
@@ -458,6 +486,7 @@ class DBuffer:
             for e, u in zip(self.entries, unreached):
                 if u:
                     source[e.start : e.end].fill_(-0.0)
+        source = self._rank_major(source)
         if self.world == 1:
             reduced, work = source, None
         else:

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from veragged.dbuffer.buffer import DBuffer
+from veragged.dbuffer.chunked import ChunkedDBuffer
 from veragged.fsdp.group import ParamGroup
 from veragged.fsdp.state import FSDPState
 from veragged.fsdp.state_dict import register_state_dict_hooks
@@ -299,13 +300,7 @@ def _shard_dim(fqn, p, shard_placement_fn, world: int) -> int | None:
 
 def _block_size(fqn, p, granularity_fn, dim: int | None) -> int:
     block = None
-    if dim is not None:
-        if dim > 0:
-            raise NotImplementedError(
-                f"shard_placement_fn({fqn!r}) = Shard({dim}): veragged shards whole rows of the "
-                "leading dims (Shard(0)) or blocks (granularity_fn); a RaggedShard on a later "
-                "dim is not supported yet"
-            )
+    if dim == 0:
         block = p.numel() // p.shape[0] if p.shape[0] else 1
     if granularity_fn is not None:
         g = granularity_fn(fqn, p)
@@ -338,7 +333,8 @@ def fully_shard(
     True, False, or None (True except for the root). `granularity_fn(fqn, param)` gives the block
     size in elements that no rank boundary may cut (None: element-wise); `shard_placement_fn`
     returning `Shard(0)` keeps rows whole. The sharded parameters are RaggedShard DTensors,
-    views into their group's DBuffer. See [Note: fully_shard lifecycle].
+    views into their group's DBuffer; `Shard(d)` with d > 0 gives torch's equal chunks as
+    `Shard(d)` DTensors in a DBuffer of their own ([Note: chunked parameters]). See [Note: fully_shard lifecycle].
     """
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     if not modules:
@@ -416,20 +412,21 @@ def fully_shard(
     params = [e for e in params if e[0] not in shared]
     # Every placement is checked (torch's errors) before any is refused as unsupported.
     dims = {id(p): _shard_dim(f, p, shard_placement_fn, shard_world) for f, p, _ in params}
-    by_dtype: dict[torch.dtype, list] = {}
+    # One DBuffer per dtype; parameters that shard_placement_fn cuts along a later dim (torch's
+    # equal chunks) get one of their own: [Note: chunked parameters].
+    by_kind: dict[tuple[torch.dtype, bool], list] = {}
     for entry in params:
-        by_dtype.setdefault(entry[1].dtype, []).append(entry)
+        by_kind.setdefault((entry[1].dtype, bool(dims[id(entry[1])])), []).append(entry)
     groups = []
-    for entries in by_dtype.values():
-        blocks = [_block_size(f, p, granularity_fn, dims[id(p)]) for f, p, _ in entries]
-        buffer = DBuffer(
-            [(fqn, p.detach()) for fqn, p, _ in entries],
-            mesh,
-            shard_dim=-1,
-            block_sizes=blocks,
-            param_dtype=mp_policy.param_dtype,
-            reduce_dtype=mp_policy.reduce_dtype,
-        )
+    for (_, chunked), entries in by_kind.items():
+        tensors = [(fqn, p.detach()) for fqn, p, _ in entries]
+        policy = dict(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype)
+        if chunked:
+            buffer = ChunkedDBuffer(tensors, mesh, dims=[dims[id(p)] for _, p, _ in entries],
+                                    **policy)
+        else:
+            blocks = [_block_size(f, p, granularity_fn, dims[id(p)]) for f, p, _ in entries]
+            buffer = DBuffer(tensors, mesh, block_sizes=blocks, **policy)
         for sharded, (_, p, _) in zip(buffer.params, entries):
             with torch._C.DisableTorchFunctionSubclass():  # no ragged accumulation hooks
                 sharded.requires_grad_(p.requires_grad)
