@@ -32,7 +32,9 @@ def _run(ckpt, steps, *extra):
         "1",
     ]
     cmd += ["--ckpt", str(ckpt), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # The checkout under test, whatever an editable install elsewhere points at.
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout

@@ -18,6 +18,10 @@ boundary, S a multiple of `256 / itemsize` so every rank's slot starts 256-byte 
   accumulates into place,
   and `reduce_scatter_tensor` reads it as is; the result is scaled (and cast) into the sharded
   gradients, views into one S-element buffer, by one fused kernel.
+With CPU offload (`offload=True`, torch's `CPUOffloadPolicy`) the shard and sharded gradients
+live in host memory (pinned on an accelerator mesh) and the unsharded and gradient buffers on the
+mesh's device: the shard is copied (and cast) into this rank's slot of the all-gather output and
+the reduced gradients are copied back before the scale, so the optimizer steps on host shards.
 
 [Note: unreached parameters]
 A parameter that no rank's backward reached keeps `.grad = None` (torch's FSDP2 leaves it out of
@@ -42,7 +46,6 @@ trainable parameter a gradient, zeros where none was reached.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -52,55 +55,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from veragged.dbuffer import ops
+from veragged.dbuffer.entries import Entry as _Entry, ragged_placement
+from veragged.dbuffer.memory import (
+    ALIGN_BYTES, aligned_empty, alloc_storage, free_storage, mesh_device,
+)
 from veragged.placement.api import distribute_tensor
 from veragged.placement.dtensor import RaggedDTensor, make_spec
-from veragged.placement.ragged_shard import RaggedShard
 from veragged.placement.redistribute import redistribute
 from veragged.planner import plan
 
 __all__ = ["DBuffer"]
-
-ALIGN_BYTES = 256
-
-
-def aligned_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 1-D tensor of `numel` elements whose first element is 256-byte aligned."""
-    item = torch.empty((), dtype=dtype).element_size()
-    extra = ALIGN_BYTES // item
-    raw = torch.empty(numel + extra, dtype=dtype, device=device)
-    skip = (-raw.data_ptr() % ALIGN_BYTES) // item
-    return raw[skip : skip + numel]
-
-
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
-
-
-def ragged_placement(shape: Sequence[int], counts: Sequence[int]) -> RaggedShard:
-    """The coarsest RaggedShard giving each rank `counts[r]` elements of a tensor of `shape`.
-
-    Rows of `shape[k:]` for the smallest k whose row size divides every count (k = ndim, single
-    elements, always does), so row- and block-granular parameters keep row units.
-    """
-    shape = tuple(shape)
-    for k in range(len(shape) + 1):
-        row = math.prod(shape[k:])
-        if row and all(c % row == 0 for c in counts):
-            return RaggedShard(tuple(range(k)), tuple(c // row for c in counts))
-    return RaggedShard(tuple(range(len(shape))), tuple(counts))  # numel 0: any layout
-
-
-@dataclass(frozen=True)
-class _Entry:
-    name: str
-    shape: torch.Size
-    start: int  # global range [start, end) in the P * S buffer
-    end: int
-    local: tuple[int, int]  # this rank's [begin, end) inside its shard
-    placement: RaggedShard
-
 
 class DBuffer:
     """One parameter group's flat buffers on one mesh; see [Note: DBuffer layout].
@@ -113,6 +77,10 @@ class DBuffer:
         param_dtype: dtype of the unsharded parameters (the all-gather); default: the tensors'.
         reduce_dtype: dtype of the reduce-scatter (gradients are cast to it first if it differs
             from `param_dtype`); default: param dtype.
+        offload: keep the shard and the sharded gradients in host memory (pinned if
+            `pin_memory` and the mesh is not a CPU mesh), as torch's `CPUOffloadPolicy`: the
+            shard is copied to the mesh's device into its slot of the all-gather output, and
+            the reduced gradients are copied back. See [Note: DBuffer layout].
     """
 
     def __init__(
@@ -124,6 +92,8 @@ class DBuffer:
         block_sizes: Sequence[int] | None = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        offload: bool = False,
+        pin_memory: bool = False,
     ):
         if not tensors:
             raise ValueError("DBuffer needs at least one tensor")
@@ -138,14 +108,16 @@ class DBuffer:
         self.world = mesh.size(self.shard_dim)
         self.rank = mesh.get_coordinate()[self.shard_dim]
         self._policy = (param_dtype, reduce_dtype)
+        self.offload = offload
+        self._pin = offload and pin_memory and mesh.device_type != "cpu"
         dtype = dtypes.pop()
         # Tensors on the meta device make a meta DBuffer: `apply_` (`to_empty`) materialises it.
         meta = any(t.is_meta for _, t in tensors)
-        device = torch.device("meta") if meta else _mesh_device(mesh)
+        device = torch.device("meta") if meta else self.home_device
         compute = param_dtype or dtype
         itemsize = min(d.itemsize for d in (dtype, compute, reduce_dtype or compute))
         S = self.shard_size = self._place(tensors, block_sizes, align=ALIGN_BYTES // itemsize)
-        shard = aligned_empty(S, dtype, device)
+        shard = aligned_empty(S, dtype, device, pin_memory=self._pin and not meta)
         if not meta:
             shard.zero_()
             with torch.no_grad():
@@ -186,18 +158,24 @@ class DBuffer:
         S = self.shard_size
         self.shard = shard
         self.dtype, self.device = shard.dtype, shard.device
+        # Where the collectives and the unsharded tensors live: the shard's device, unless the
+        # shard is offloaded to host memory.
+        self.compute_device = (mesh_device(self.mesh) if self.offload and not shard.is_meta
+                               else shard.device)
         param_dtype, reduce_dtype = self._policy
         floating = self.dtype.is_floating_point
         self.param_dtype = param_dtype if (param_dtype and floating) else self.dtype
         self.reduce_dtype = reduce_dtype if (reduce_dtype and floating) else self.param_dtype
         params = [self._sharded(e, shard, requires_grad=True) for e in self.entries]
-        self._unsharded = torch.empty(self.world * S, dtype=self.param_dtype, device=self.device)
+        self._unsharded = torch.empty(self.world * S, dtype=self.param_dtype,
+                                      device=self.compute_device)
         self.unsharded_params = [
             self._unsharded[e.start : e.end].view(e.shape) for e in self.entries
         ]
         self._free(self._unsharded)
         # Gradients of the unsharded parameters have their dtype (the engine accumulates in place).
-        self._grads = torch.empty(self.world * S, dtype=self.param_dtype, device=self.device)
+        self._grads = torch.empty(self.world * S, dtype=self.param_dtype,
+                                  device=self.compute_device)
         self.unsharded_grads = [self._grads[e.start : e.end].view(e.shape) for e in self.entries]
         self._free(self._grads)
         self._shard_grad: torch.Tensor | None = None
@@ -224,7 +202,8 @@ class DBuffer:
         if new is self.shard or (new.dtype == self.dtype and new.device == self.device
                                  and new.data_ptr() == self.shard.data_ptr()):
             return False
-        shard = aligned_empty(self.shard_size, new.dtype, new.device)
+        pin = self._pin and new.device.type == "cpu"
+        shard = aligned_empty(self.shard_size, new.dtype, new.device, pin_memory=pin)
         with torch.no_grad():
             shard.copy_(new)
         old_grads = [p.grad for p in self.params]
@@ -248,7 +227,8 @@ class DBuffer:
             except RuntimeError:  # another device type: the new object replaces the old one
                 self.params[i] = fresh
         if old_shard_grad is not None and any(g is not None for g in old_grads):
-            self._shard_grad = aligned_empty(self.shard_size, self.dtype, self.device)
+            self._shard_grad = aligned_empty(self.shard_size, self.dtype, self.device,
+                                             pin_memory=self._pin)
             with torch.no_grad():
                 self._shard_grad.copy_(old_shard_grad)
             for p, e, g in zip(self.params, self.entries, old_grads):
@@ -306,18 +286,15 @@ class DBuffer:
         with torch._C.DisableTorchFunctionSubclass():
             return torch.nn.Parameter(dt, requires_grad=trainable)
 
-    @staticmethod
-    def _free(buf: torch.Tensor) -> None:
-        buf.untyped_storage().resize_(0)
-
-    @staticmethod
-    def _alloc(buf: torch.Tensor) -> None:
-        storage = buf.untyped_storage()
-        need = buf.numel() * buf.element_size()
-        if storage.size() != need:
-            storage.resize_(need)
+    _free = staticmethod(free_storage)
+    _alloc = staticmethod(alloc_storage)
 
     # --- parameters --------------------------------------------------------------------------
+
+    @property
+    def home_device(self) -> torch.device:
+        """Where the shard belongs: host memory when offloaded, else the mesh's device."""
+        return torch.device("cpu") if self.offload else mesh_device(self.mesh)
 
     @property
     def is_meta(self) -> bool:
@@ -346,11 +323,14 @@ class DBuffer:
         if post_forward is not None and post_forward[2] == self._params_version():
             source, group, _ = post_forward  # reshard_after_forward=k: gather within k ranks
             self._gather_keep = source  # alive until the wait
-        elif self.param_dtype == self.dtype:
+        elif self.param_dtype == self.dtype and not self.offload:
             source = self.shard
-        else:  # cast this rank's shard into its own slot, then gather in place
+        else:  # cast (or copy to the device) into this rank's own slot, then gather in place
             source = out[self.rank * S : (self.rank + 1) * S]
-            ops.cast_scale_(source, self.shard, 1.0)
+            if self.offload:
+                source.copy_(self.shard, non_blocking=self._pin)
+            else:
+                ops.cast_scale_(source, self.shard, 1.0)
         if self.world == 1:  # nothing to gather: the shard is the whole buffer
             if source is self.shard:
                 ops.cast_scale_(out, self.shard, 1.0)
@@ -447,7 +427,7 @@ class DBuffer:
             return
         if self._acc is None:
             self._acc = torch.zeros(self.world * self.shard_size, dtype=self.reduce_dtype,
-                                    device=self.device)
+                                    device=self.compute_device)
         ops.accumulate_(self._acc, self._grads, 1.0)
         self._free(self._grads)
 
@@ -478,7 +458,8 @@ class DBuffer:
                 ops.accumulate_(self._acc, self._grads, 1.0)
             source, self._acc = self._acc, None
         elif self.reduce_dtype != self.param_dtype:  # e.g. bf16 gradients reduced in fp32
-            source = torch.empty(self.world * S, dtype=self.reduce_dtype, device=self.device)
+            source = torch.empty(self.world * S, dtype=self.reduce_dtype,
+                                 device=self.compute_device)
             ops.cast_scale_(source, self._grads, 1.0)
         else:
             source = self._grads
@@ -490,7 +471,7 @@ class DBuffer:
         if self.world == 1:
             reduced, work = source, None
         else:
-            reduced = torch.empty(S, dtype=self.reduce_dtype, device=self.device)
+            reduced = torch.empty(S, dtype=self.reduce_dtype, device=self.compute_device)
             work = dist.reduce_scatter_tensor(
                 reduced, source, op=dist.ReduceOp.SUM, group=self.group, async_op=True
             )
@@ -544,14 +525,16 @@ class DBuffer:
             if stream is None:
                 fn(reduced)
             else:
-                with torch.get_device_module(self.device.type).stream(stream):
+                with torch.get_device_module(self.compute_device.type).stream(stream):
                     fn(reduced)
+        if reduced.device != self.device:  # offloaded: the optimizer steps on host shards
+            reduced = reduced[:S].to(self.device)
         if divide_factor is not None:
             scale = 1.0 / divide_factor
         else:
             scale = 1.0 / (self.world * replicas) if average else 1.0
         if self._shard_grad is None:
-            self._shard_grad = aligned_empty(S, self.dtype, self.device)
+            self._shard_grad = aligned_empty(S, self.dtype, self.device, pin_memory=self._pin)
         bind = [True] * len(self.params) if bind is None else list(bind)
         if unreached is not None:
             bind = [b and (not u or self._reached_elsewhere(e, reduced))

@@ -27,7 +27,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard
 
-from veragged.dbuffer.buffer import DBuffer, _Entry
+from veragged.dbuffer.buffer import DBuffer
+from veragged.dbuffer.entries import Entry as _Entry
 from veragged.placement.dtensor import make_spec
 
 __all__ = ["ChunkedDBuffer"]
@@ -40,14 +41,13 @@ class ChunkedDBuffer(DBuffer):
     `block_sizes`. See [Note: chunked parameters].
     """
 
-    def __init__(self, tensors, mesh, *, dims, shard_dim=-1, param_dtype=None, reduce_dtype=None):
+    def __init__(self, tensors, mesh, *, dims, **kwargs):
         self._dims = list(dims)
         if len(self._dims) != len(tensors):
             raise ValueError(f"ChunkedDBuffer: {len(tensors)} tensors but {len(self._dims)} dims")
-        super().__init__(
-            tensors, mesh, shard_dim=shard_dim, param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-        )
+        if kwargs.get("block_sizes") is not None:
+            raise ValueError("ChunkedDBuffer: chunks are whole; block_sizes does not apply")
+        super().__init__(tensors, mesh, **kwargs)
         self._gathered: torch.Tensor | None = None
 
     def _place(self, tensors, block_sizes, align: int) -> int:

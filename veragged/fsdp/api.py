@@ -379,11 +379,9 @@ def fully_shard(
         )
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ValueError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
-    if isinstance(offload_policy, CPUOffloadPolicy) and mesh.device_type != "cpu":
-        raise NotImplementedError(
-            f"offload_policy={offload_policy!r} with a {mesh.device_type} mesh: CPU offload "
-            "is not supported yet (on a CPU mesh the parameters already live on the CPU)"
-        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise ValueError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
     ignored = {id(p) for p in ignored_params or ()}
     params = _collect(modules, ignored)
     shared: list[str] = []  # tied to a parameter of an earlier call: an error at lazy init
@@ -420,7 +418,8 @@ def fully_shard(
     groups = []
     for (_, chunked), entries in by_kind.items():
         tensors = [(fqn, p.detach()) for fqn, p, _ in entries]
-        policy = dict(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype)
+        policy = dict(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
+                      offload=offload, pin_memory=offload and offload_policy.pin_memory)
         if chunked:
             buffer = ChunkedDBuffer(tensors, mesh, dims=[dims[id(p)] for _, p, _ in entries],
                                     **policy)

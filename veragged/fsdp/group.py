@@ -115,7 +115,7 @@ class ParamGroup:
         the DBuffer, materialising a DBuffer on the meta device on the mesh's device first
         (zeros); see [Note: fully_shard state dicts]."""
         if self.buffer.is_meta:
-            device = torch.device(self.buffer.mesh.device_type)
+            device = self.buffer.home_device
             self.apply_(lambda t: torch.zeros_like(t, device=device))
         self.buffer.load_(i, value)
         with torch._C.DisableTorchFunctionSubclass():  # no ragged accumulation hooks

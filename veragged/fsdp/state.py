@@ -192,6 +192,18 @@ class FSDPState:
                     "For example, call module.to_empty(device) to materialize to device and "
                     "call module.reset_parameters() on each module to initialize values."
                 )
+            off_cpu = [
+                (f"{name}.{fqn}" if name else fqn, g.buffer.device)
+                for g in state.groups if g.buffer.offload and g.buffer.device.type != "cpu"
+                for fqn in g.fqns
+            ]
+            if off_cpu:  # torch's wording
+                raise RuntimeError(
+                    "FSDP parameters should be materialized on CPU when enabling CPU "
+                    'offloading. For example, load a CPU state dict or call module.to_empty('
+                    'device="cpu"). Found following parameters on non-CPU device: '
+                    f"{off_cpu}\n"
+                )
             found.append((name, state))
         ctx = self.ctx
         for _, state in found:

@@ -1,0 +1,41 @@
+"""A DBuffer's per-tensor records, and the RaggedShard a planned range gives a tensor."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch.distributed.tensor.placement_types import Placement
+
+from veragged.placement.ragged_shard import RaggedShard
+
+__all__ = ["Entry", "ragged_placement"]
+
+
+def ragged_placement(shape: Sequence[int], counts: Sequence[int]) -> RaggedShard:
+    """The coarsest RaggedShard giving each rank `counts[r]` elements of a tensor of `shape`.
+
+    Rows of `shape[k:]` for the smallest k whose row size divides every count (k = ndim, single
+    elements, always does), so row- and block-granular parameters keep row units.
+    """
+    shape = tuple(shape)
+    for k in range(len(shape) + 1):
+        row = math.prod(shape[k:])
+        if row and all(c % row == 0 for c in counts):
+            return RaggedShard(tuple(range(k)), tuple(c // row for c in counts))
+    return RaggedShard(tuple(range(len(shape))), tuple(counts))  # numel 0: any layout
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where one tensor of a DBuffer lives."""
+
+    name: str
+    shape: torch.Size
+    start: int  # range [start, end) in the unsharded (P * S) buffer
+    end: int
+    local: tuple[int, int]  # this rank's [begin, end) inside its shard
+    placement: Placement  # on the shard mesh dim: a RaggedShard, or Shard(d) if chunked
+
