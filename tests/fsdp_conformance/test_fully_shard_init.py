@@ -20,6 +20,10 @@
 #     torch.cpu's stand-in Stream: only the set_all_reduce_hook(stream=...) API is exercised);
 #   - `fully_shard.state(module)` (torch_only tests) -> `_torch_fully_shard.state(module)`: the
 #     harness's dispatching `fully_shard` is a plain function without torch's `.state`;
+#   - `distribute_tensor` comes from veragged.testing.conformance (`veragged.distribute_tensor`,
+#     as `check_sharded_parity` uses): test_rank0_broadcast_meta_device_init distributes full
+#     tensors with the sharded parameters' placements, which torch's `distribute_tensor` accepts
+#     only when they are torch's own; for those, veragged's returns what torch's returns;
 #   - `run_tests()` -> `instantiate_conformance_tests(globals())`.
 
 import copy
@@ -47,7 +51,6 @@ from torch.distributed.fsdp._init_utils import (
 )
 from torch.distributed.tensor import (
     DeviceMesh,
-    distribute_tensor,
     DTensor,
     Replicate,
     Shard,
@@ -67,6 +70,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
 
 from veragged.testing.conformance import (
     device_type as _conformance_device_type,
+    distribute_tensor,
     fully_shard,
     FSDPTest,
     instantiate_conformance_tests,

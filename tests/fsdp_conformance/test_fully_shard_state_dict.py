@@ -16,6 +16,10 @@
 #     model cpu -> cuda and expects new storage), test_dp_state_dict_cpu_offload with
 #     cpu_state_dict=False (expects an error for a state dict on the accelerator) and with
 #     CPUOffloadPolicy(pin_memory=True) (pinned memory needs an accelerator);
+#   - `distribute_tensor` comes from veragged.testing.conformance (`veragged.distribute_tensor`,
+#     as `check_sharded_parity` uses): test_dp_state_dict_cpu_offload distributes full tensors
+#     with the sharded parameters' placements, which torch's `distribute_tensor` accepts only
+#     when they are torch's own; for those, veragged's returns what torch's returns;
 #   - `run_tests()` -> `instantiate_conformance_tests(globals())`.
 
 import copy
@@ -26,7 +30,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy
-from torch.distributed.tensor import distribute_tensor, DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     parallelize_module,
@@ -41,6 +45,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
 
 from veragged.testing.conformance import (
     device_type as _conformance_device_type,
+    distribute_tensor,
     fully_shard,
     FSDPTest,
     instantiate_conformance_tests,

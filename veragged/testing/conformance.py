@@ -26,9 +26,11 @@ ranks, never in the driver. `unittest.SkipTest` raised on a rank skips the test.
 runs, torch's model zoo (`common_fsdp.fully_shard`, used by e.g. `MLPStack.parallelize`) shards
 with the implementation under test too.
 
-Also here: `check_sharded_parity` (torch's, distributing the reference with
-`veragged.distribute_tensor`, which knows RaggedShard and hands torch's placements to torch's
-`distribute_tensor`), `torch_only(reason)` (skips a test that inspects FSDP2's private state on the veragged
+Also here: `distribute_tensor` (`veragged.distribute_tensor`, which knows RaggedShard and hands
+torch's placements to torch's `distribute_tensor`, returning what it returns; ports that
+distribute a full tensor with a sharded parameter's placements import it from here),
+`check_sharded_parity` (torch's, distributing the reference with that `distribute_tensor`),
+`torch_only(reason)` (skips a test that inspects FSDP2's private state on the veragged
 class), `compiled_fsdp_test` (torch's decorator, patching the dispatching `fully_shard`), and
 `FSDPTest.conformance_timeout_s` (per-class limit of one test, default 120 s; pytest-timeout's
 limit is raised to match). Ports alias `FSDPTestMultiThread = FSDPTest`: ranks are processes.
@@ -50,10 +52,12 @@ import torch.distributed as dist
 from torch.testing._internal import common_fsdp
 from torch.testing._internal.common_utils import TestCase, set_rng_seed
 
+from veragged.placement import distribute_tensor
 from veragged.testing.pool import get_pool
 
 __all__ = ["IMPLS", "DEFAULT_TIMEOUT_S", "FSDPTest", "check_sharded_parity",
-           "compiled_fsdp_test", "device_type", "fully_shard", "impl_name", "instantiate_conformance_tests", "torch_only"]
+           "compiled_fsdp_test", "device_type", "distribute_tensor", "fully_shard", "impl_name",
+           "instantiate_conformance_tests", "torch_only"]
 
 IMPLS = ("torch", "veragged")
 DEFAULT_TIMEOUT_S = 120.0
@@ -154,8 +158,6 @@ def check_sharded_parity(cls, replicated_module, sharded_module, prefixes_to_ign
     `distribute_tensor` rejects placements it does not define (RaggedShard); for torch's own
     placements it calls torch's."""
     from torch.distributed.tensor import DTensor, Shard
-
-    from veragged import distribute_tensor
 
     for (replicated_name, replicated_param), (sharded_name, sharded_param) in zip(
         replicated_module.named_parameters(), sharded_module.named_parameters(), strict=True
