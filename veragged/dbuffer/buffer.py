@@ -13,39 +13,18 @@ boundary, S a multiple of `256 / itemsize` so every rank's slot starts 256-byte 
   kernel), so nothing is copied in before or out after the collective. `reshard()` frees its
   storage and `unshard()` reallocates the same storage object, so the views (and tensors autograd
   saved from them) stay valid;
-- the *gradient* buffer (P * S elements, the compute dtype) is where backward writes: the
-  unsharded parameters' `.grad` are views into it, zeroed by one launch, so the autograd engine
-  accumulates into place,
-  and `reduce_scatter_tensor` reads it as is; the result is scaled (and cast) into the sharded
-  gradients, views into one S-element buffer, by one fused kernel.
+- the *gradient* buffer (P * S elements, the compute dtype) is where backward's gradients land,
+  one write each ([Note: gradient landing], `grads.py`), and `reduce_scatter_tensor` reads it as
+  is; the result is scaled (and cast) into the sharded gradients, views into one S-element
+  buffer, by one fused kernel.
 With CPU offload (`offload=True`, torch's `CPUOffloadPolicy`) the shard and sharded gradients
 live in host memory (pinned on an accelerator mesh) and the unsharded and gradient buffers on the
 mesh's device: the shard is copied (and cast) into this rank's slot of the all-gather output and
 the reduced gradients are copied back before the scale, so the optimizer steps on host shards.
-
-[Note: unreached parameters]
-A parameter that no rank's backward reached keeps `.grad = None` (torch's FSDP2 leaves it out of
-its reduce-scatter), yet the reduce-scatter covers the whole buffer on every rank, so that ranks
-whose data reached different parameters still issue the same collective. Which parameters some
-rank reached travels inside that collective, at no cost: the gradient buffer is zeroed with +0.0
-and autograd accumulates into it, so a reached element is never -0.0 (in round-to-nearest,
-x + y is -0.0 only when both are -0.0); before the reduce-scatter each rank writes -0.0 over the
-parameters it did not reach. A SUM is then -0.0 exactly when every rank sent -0.0, i.e. when no
-rank reached the parameter, and every rank holding part of it reads the same answer from its
-first local element. Adding -0.0 to a value leaves it unchanged, so the marks never alter a
-gradient. This needs a SUM that adds in IEEE arithmetic without a +0.0 identity: gloo's does
-(tests/fsdp/test_lifecycle.py::test_ranks_using_different_parameters); NCCL's ring and tree
-kernels add the ranks' values the same way (not yet checked on a GPU here). A backend that
-lost the sign would make every parameter read as reached, i.e. zeros instead of None, the same
-on every rank. A rank holding none of a parameter answers from
-its own backward, which agrees with the others whenever every rank reached the same parameters
-(torch's requirement in this mode); `set_reduce_scatter_unused_params(True)` instead gives every
-trainable parameter a gradient, zeros where none was reached.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
@@ -56,6 +35,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from veragged.dbuffer import ops
 from veragged.dbuffer.entries import Entry as _Entry, ragged_placement
+from veragged.dbuffer.grads import GradientPath
 from veragged.dbuffer.memory import (
     ALIGN_BYTES, aligned_empty, alloc_storage, free_storage, mesh_device,
 )
@@ -66,7 +46,7 @@ from veragged.planner import plan
 
 __all__ = ["DBuffer"]
 
-class DBuffer:
+class DBuffer(GradientPath):
     """One parameter group's flat buffers on one mesh; see [Note: DBuffer layout].
 
     Args:
@@ -178,6 +158,7 @@ class DBuffer:
                                   device=self.compute_device)
         self.unsharded_grads = [self._grads[e.start : e.end].view(e.shape) for e in self.entries]
         self._free(self._grads)
+        self._landed = [True] * len(self.entries)  # which ranges hold a gradient (grads.py)
         self._shard_grad: torch.Tensor | None = None
         self._acc: torch.Tensor | None = None  # reduce-dtype gradient sum over no-sync steps
         self._post_forward = None  # (kept chunk, group, parameter versions): see `reshard`
@@ -392,186 +373,3 @@ class DBuffer:
             keep = self._rank_major(self._unsharded)[j * chunk : (j + 1) * chunk].clone()
             self._post_forward = (keep, post_forward_group, self._params_version())
         self._free(self._unsharded)
-
-    # --- gradients ---------------------------------------------------------------------------
-
-    def _bound(self, p: torch.Tensor) -> bool:
-        """Whether `p.grad` is this buffer's view (not None, not replaced by the user)."""
-        g = p.grad
-        return (
-            g is not None
-            and self._shard_grad is not None
-            and isinstance(g, DTensor)
-            and g._local_tensor.untyped_storage().data_ptr()
-            == self._shard_grad.untyped_storage().data_ptr()
-        )
-
-    @property
-    def grads_allocated(self) -> bool:
-        return self._grads.untyped_storage().size() > 0
-
-    def zero_unsharded_grads(self) -> list[torch.Tensor]:
-        """Allocate and zero the gradient buffer (one launch); returns the per-tensor views."""
-        self._alloc(self._grads)
-        ops.zero_ranges_(self._grads, [(0, self._grads.numel())])
-        return self.unsharded_grads
-
-    def stash_grads(self) -> None:
-        """Fold this backward's gradients into the reduce-dtype accumulator (no-sync steps).
-
-        Only needed when the reduce dtype is wider than the compute dtype: unsharded gradients
-        then accumulate across micro-batches in the reduce dtype, as torch's FSDP2 does, and the
-        compute-dtype buffer is freed until the next backward zeroes it again.
-        """
-        if self.reduce_dtype == self.param_dtype or not self.grads_allocated:
-            return
-        if self._acc is None:
-            self._acc = torch.zeros(self.world * self.shard_size, dtype=self.reduce_dtype,
-                                    device=self.compute_device)
-        ops.accumulate_(self._acc, self._grads, 1.0)
-        self._free(self._grads)
-
-    def reduce_grads(
-        self,
-        *,
-        accumulate: bool = False,
-        average: bool = True,
-        divide_factor: float | None = None,
-        all_reduce: bool = True,
-        unreached: Sequence[bool] | None = None,
-        async_op=False,
-    ):
-        """Reduce-scatter the gradient buffer into the sharded gradients.
-
-        SUM on the wire (gloo's AVG is unreliable, pytorch #162338), then one fused kernel
-        scales by 1/world (if `average`; `divide_factor` replaces the world size) and casts into
-        the master-dtype shard gradient, adding to it when `accumulate`. HSDP: the result is
-        then all-reduced over the other mesh dims (unless `all_reduce` is False). A world of one
-        communicates nothing. With `async_op` only the reduce-scatter is launched;
-        `finish_reduce()` completes it. `unreached[i]` marks tensors this rank's backward did not
-        reach: see [Note: unreached parameters].
-        """
-        self.finish_reduce()
-        S = self.shard_size
-        if self._acc is not None:  # micro-batches accumulated in the reduce dtype
-            if self.grads_allocated:
-                ops.accumulate_(self._acc, self._grads, 1.0)
-            source, self._acc = self._acc, None
-        elif self.reduce_dtype != self.param_dtype:  # e.g. bf16 gradients reduced in fp32
-            source = torch.empty(self.world * S, dtype=self.reduce_dtype,
-                                 device=self.compute_device)
-            ops.cast_scale_(source, self._grads, 1.0)
-        else:
-            source = self._grads
-        if unreached is not None:
-            for e, u in zip(self.entries, unreached):
-                if u:
-                    source[e.start : e.end].fill_(-0.0)
-        source = self._rank_major(source)
-        if self.world == 1:
-            reduced, work = source, None
-        else:
-            reduced = torch.empty(S, dtype=self.reduce_dtype, device=self.compute_device)
-            work = dist.reduce_scatter_tensor(
-                reduced, source, op=dist.ReduceOp.SUM, group=self.group, async_op=True
-            )
-        self._reduce = (work, source, reduced, accumulate, average, divide_factor, all_reduce,
-                        unreached)
-        if not async_op:
-            self.finish_reduce()
-
-    def finish_reduce(self, bind: Sequence[bool] | None = None, hook=None) -> list[bool]:
-        """Wait for a launched reduce-scatter and write the sharded gradients.
-
-        `bind[i]` says whether tensor i may receive its gradient (default: every tensor); of
-        those marked unreached at launch, only the ones some rank reached do
-        ([Note: unreached parameters]). The others keep their `.grad` as it was (None stays
-        None). Returns, per tensor, whether its gradient was written (all False if no reduction
-        was in flight). `hook`, if given, is
-        `(fn, stream)`: `fn(reduced)` runs on this rank's reduced shard (the SUM, after the HSDP
-        all-reduce, before the division and cast; torch's `set_all_reduce_hook`), in `stream`'s
-        context if not None.
-        """
-        if self._reduce is None:
-            return [False] * len(self.params)
-        work, source, reduced, accumulate, average, divide_factor, all_reduce, unreached = (
-            self._reduce
-        )
-        self._reduce = None
-        if work is not None:
-            work.wait()
-        del source
-        S = self.shard_size
-        replica_dims = [d for d in range(self.mesh.ndim)
-                        if d != self.shard_dim and self.mesh.size(d) > 1]
-        replicas = math.prod(self.mesh.size(d) for d in replica_dims)
-        if replica_dims and not all_reduce:
-            # HSDP micro-batch without the all-reduce (set_requires_all_reduce(False)): keep the
-            # reduce-scattered sum aside, as torch does; the next all-reducing micro-batch adds
-            # it in before its all-reduce. The sharded gradients are not touched until then.
-            if self._partial is None:
-                self._partial = reduced[:S].clone()
-            else:
-                self._partial.add_(reduced[:S])
-            self._free(self._grads)
-            return [False] * len(self.params)
-        if self._partial is not None:
-            reduced = reduced[:S] + self._partial
-            self._partial = None
-        for d in replica_dims:
-            dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.mesh.get_group(d))
-        if hook is not None:
-            fn, stream = hook
-            if stream is None:
-                fn(reduced)
-            else:
-                with torch.get_device_module(self.compute_device.type).stream(stream):
-                    fn(reduced)
-        if reduced.device != self.device:  # offloaded: the optimizer steps on host shards
-            reduced = reduced[:S].to(self.device)
-        if divide_factor is not None:
-            scale = 1.0 / divide_factor
-        else:
-            scale = 1.0 / (self.world * replicas) if average else 1.0
-        if self._shard_grad is None:
-            self._shard_grad = aligned_empty(S, self.dtype, self.device, pin_memory=self._pin)
-        bind = [True] * len(self.params) if bind is None else list(bind)
-        if unreached is not None:
-            bind = [b and (not u or self._reached_elsewhere(e, reduced))
-                    for b, u, e in zip(bind, unreached, self.entries)]
-        unbound = [
-            (p, e) for p, e, b in zip(self.params, self.entries, bind)
-            if b and not self._bound(p)
-        ]
-        if accumulate:  # tensors whose .grad was dropped (set to None) start again from zero
-            ops.zero_ranges_(self._shard_grad, [e.local for _, e in unbound])
-            ops.accumulate_(self._shard_grad, reduced[:S], scale)
-            # A gradient the user assigned (not a view of this buffer) is accumulated into, as
-            # torch's FSDP2 adds the reduced gradient to an existing sharded `.grad`.
-            for p, e in unbound:
-                if p.grad is not None:
-                    old = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                    if old.numel() != e.local[1] - e.local[0]:
-                        raise ValueError(
-                            f"{e.name}.grad: expected this rank's {e.local[1] - e.local[0]} "
-                            f"elements ({p.placements}), got a tensor of shape "
-                            f"{list(old.shape)}"
-                        )
-                    self._shard_grad[e.local[0] : e.local[1]].add_(old.reshape(-1))
-        else:
-            ops.cast_scale_(self._shard_grad, reduced[:S], scale)
-        for p, e in unbound:
-            p.grad = self._sharded(e, self._shard_grad, requires_grad=False)
-        self._free(self._grads)
-        return bind
-
-    @staticmethod
-    def _reached_elsewhere(e: _Entry, reduced: torch.Tensor) -> bool:
-        """Whether some rank reached tensor `e`, which this rank's backward did not: its first
-        local element is not the -0.0 every unreaching rank sent ([Note: unreached parameters]).
-        A rank holding no element of it cannot tell, and answers no."""
-        b, end = e.local
-        if b == end:
-            return False
-        first = reduced[b]
-        return not (first.item() == 0 and torch.signbit(first).item())

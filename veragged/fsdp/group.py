@@ -137,15 +137,25 @@ class ParamGroup:
 
     # --- backward ----------------------------------------------------------------------------
 
-    def _note_grad(self, i: int):
+    def _land_grad(self, i: int):
         def hook(param: torch.Tensor) -> None:
+            grad, param.grad = param.grad, None
+            if grad is None:
+                return
+            if not self._grads_live or not self.buffer.grads_allocated:
+                # A gradient outside this group's backward (a user's own autograd.grad or a
+                # backward after post-backward ran): as torch's FSDP2, it is not reduced.
+                param.grad = grad
+                return
+            self.buffer.land_grad(i, grad)
             self._has_grad[i] = True
 
         return hook
 
     def pre_backward(self) -> None:
-        """Unshard and bind the gradient buffer's views as the trainable parameters' `.grad`,
-        so autograd accumulates in place (a has-grad hook records which ones it reached)."""
+        """Unshard and make the gradient buffer ready: each trainable unsharded parameter's
+        gradient lands in it from a post-accumulate-grad hook ([Note: gradient landing]),
+        which also records which parameters this rank's backward reached."""
         if self.training_state == TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
@@ -157,14 +167,11 @@ class ParamGroup:
         # of an earlier one still reads the gradient buffer this one is about to zero.
         self.finish_reduce()
         if not self._grads_live or not self.buffer.grads_allocated:
-            self.buffer.zero_unsharded_grads()
+            self.buffer.alloc_unsharded_grads()
             self._grads_live = True
-        for i, (u, g) in enumerate(zip(self.unsharded, self.buffer.unsharded_grads)):
-            if not u.requires_grad:
-                continue
-            u.grad = g
-            if i not in self._hooked:
-                u.register_post_accumulate_grad_hook(self._note_grad(i))
+        for i, u in enumerate(self.unsharded):
+            if u.requires_grad and i not in self._hooked:
+                u.register_post_accumulate_grad_hook(self._land_grad(i))
                 self._hooked.add(i)
 
     def post_backward(self, ctx) -> None:
