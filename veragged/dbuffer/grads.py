@@ -237,9 +237,14 @@ class GradientPath:
             (p, e) for p, e, b in zip(self.params, self.entries, bind)
             if b and not self._bound(p)
         ]
-        if accumulate:  # tensors whose .grad was dropped (set to None) start again from zero
+        if accumulate and any(self._bound(p) for p in self.params):
+            # Some sharded gradients (of any tensor, reached or not) hold earlier sums: add to
+            # them; tensors whose .grad was dropped (set to None) start again from zero.
             ops.zero_ranges_(self._shard_grad, [e.local for _, e in unbound])
             ops.accumulate_(self._shard_grad, reduced[:S], scale)
+        else:  # no earlier sums (zero_grad() set them to None): one pass writes them all
+            ops.cast_scale_(self._shard_grad, reduced[:S], scale)
+        if accumulate:
             # A gradient the user assigned (not a view of this buffer) is accumulated into, as
             # torch's FSDP2 adds the reduced gradient to an existing sharded `.grad`.
             for p, e in unbound:
@@ -252,8 +257,6 @@ class GradientPath:
                             f"{list(old.shape)}"
                         )
                     self._shard_grad[e.local[0] : e.local[1]].add_(old.reshape(-1))
-        else:
-            ops.cast_scale_(self._shard_grad, reduced[:S], scale)
         for p, e in unbound:
             p.grad = self._sharded(e, self._shard_grad, requires_grad=False)
         self._free(self._grads)
