@@ -17,7 +17,8 @@ Each step is forward, backward, `clip_grad_norm_(max_norm=1.0)`, `optimizer.step
 Columns (ratios are veragged / torch; below 1 is better; `-` where there is no torch peer):
   step ms    the fastest of `--steps` steps (after 2 warm-up steps), each step timed on the
              slowest rank: on a machine shared with other jobs the fastest step is the one
-             least disturbed by them (the median is in the JSON line);
+             least disturbed by them (the median is in the JSON line). Both sides are built
+             in the same ranks and their steps alternate, so both see the same load;
   param B    bytes FSDP wrote per step on its parameter path, mean over ranks;
   grad B     bytes FSDP wrote per step on its gradient path, mean over ranks;
   FSDP ratio (param + grad) of veragged over torch's.
@@ -27,12 +28,13 @@ Both byte columns come from one further step under `veragged.testing.copies.Writ
 holds `rest` (the model's own kernels, the loss, clipping and the optimizer), the
 per-rank bytes, the largest FSDP writes by op and site (`--top`) and the fastest step's time
 split into forward+backward, clipping and optimizer step+zero_grad (`phase_s`, printed as a
-second table). Memory is not measured here: the runs share one pool of ranks, whose peak RSS
+second table; each phase on its slowest rank, so they may add up to more than the step). Memory is not measured here: the runs share one pool of ranks, whose peak RSS
 spans them all.
 
 Targets (issue 11): step time <= 0.9x torch's, FSDP bytes <= 0.5x (gradient path <= torch's,
 parameter path 0). Prints a table and one JSON line (`--json`: only the JSON).
-Default run: 2 ranks, both models, all optimizers, 5 steps (a few minutes on 2 CPU cores).
+Default run: 2 ranks, both models, all optimizers, 6 steps (about 3 minutes on 2 idle CPU
+cores).
 """
 
 from __future__ import annotations
@@ -132,13 +134,9 @@ def _optimizer(name: str, model: nn.Module):
     return veragged.optim.AdamW8bit(model.parameters())
 
 
-def _worker(kind: str, model_name: str, spec: dict, opt_name: str, steps: int, mp: bool,
-            top: int):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+def _sharded(kind: str, model_name: str, spec: dict, opt_name: str, mesh, mp: bool):
+    """The model sharded by `kind`'s fully_shard, and its optimizer."""
     model = _build(model_name, spec)
-    n_tensors = sum(1 for _ in model.parameters())
-    numel = sum(p.numel() for p in model.parameters())
     kwargs = {"mesh": mesh}
     if mp:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
@@ -152,44 +150,63 @@ def _worker(kind: str, model_name: str, spec: dict, opt_name: str, steps: int, m
     for block in model.blocks:
         shard(block, **kwargs)
     shard(model, **kwargs)
-    opt = _optimizer(opt_name, model)
+    return model, _optimizer(opt_name, model)
+
+
+def _step(model, opt, tokens) -> list[float]:
+    """One training step; returns its time and that of forward+backward, clipping, optimizer."""
+    t0 = time.perf_counter()
+    model.loss(tokens).backward()
+    t1 = time.perf_counter()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+    t2 = time.perf_counter()
+    opt.step()
+    opt.zero_grad()
+    return [time.perf_counter() - t0, t1 - t0, t2 - t1, time.perf_counter() - t2]
+
+
+def _worker(kinds: tuple, model_name: str, spec: dict, opt_name: str, steps: int, mp: bool,
+            top: int):
+    """Both sides in one job: their timed steps alternate (torch first on even steps), so that
+    whatever else runs on the machine weighs on both alike."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    plain = _build(model_name, spec)
+    n_tensors = sum(1 for _ in plain.parameters())
+    numel = sum(p.numel() for p in plain.parameters())
+    del plain
+    sides = {k: _sharded(k, model_name, spec, opt_name, mesh, mp) for k in kinds}
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, VOCAB, (steps + 3, world * BATCH, SEQ + 1), generator=g)
     local = data[:, rank * BATCH : (rank + 1) * BATCH]
-
-    def step(tokens):
-        t0 = time.perf_counter()
-        model.loss(tokens).backward()
-        t1 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
-        t2 = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
-        return [time.perf_counter() - t0, t1 - t0, t2 - t1, time.perf_counter() - t2]
-
     for i in range(2):
-        step(local[i])
-    times = []
+        for k in kinds:
+            _step(*sides[k], local[i])
+    times: dict = {k: [] for k in kinds}
     for i in range(steps):
-        dist.barrier()
-        t = torch.tensor(step(local[2 + i]), dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank, per phase
-        times.append(t.tolist())
-    with WriteCounter() as counter:
-        step(local[-1])
-    fsdp_ops = sorted(((n, b, op, site) for (b, op, site), n in counter.ops.items()
-                       if b != "rest"), reverse=True)[:top]
-    return {
-        "step_s": min(t[0] for t in times),
-        "step_median_s": statistics.median(t[0] for t in times),
-        "phase_s": dict(zip(("fwd_bwd", "clip", "optim"), min(times)[1:])),
-        "bytes": {b: counter.bucket(b) for b in BUCKETS},
-        "collective_copies": counter.collective_copies,
-        "top_fsdp_writes": [{"bytes": n, "bucket": b, "op": op, "site": site}
-                            for n, b, op, site in fsdp_ops],
-        "tensors": n_tensors,
-        "params": numel,
-    }
+        for k in kinds if i % 2 == 0 else kinds[::-1]:
+            dist.barrier()
+            t = torch.tensor(_step(*sides[k], local[2 + i]), dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank, per phase
+            times[k].append(t.tolist())
+    results = {}
+    for k in kinds:
+        with WriteCounter() as counter:
+            _step(*sides[k], local[-1])
+        fsdp_ops = sorted(((n, b, op, site) for (b, op, site), n in counter.ops.items()
+                           if b != "rest"), reverse=True)[:top]
+        results[k] = {
+            "step_s": min(t[0] for t in times[k]),
+            "step_median_s": statistics.median(t[0] for t in times[k]),
+            "phase_s": dict(zip(("fwd_bwd", "clip", "optim"), min(times[k])[1:])),
+            "bytes": {b: counter.bucket(b) for b in BUCKETS},
+            "collective_copies": counter.collective_copies,
+            "top_fsdp_writes": [{"bytes": n, "bucket": b, "op": op, "site": site}
+                                for n, b, op, site in fsdp_ops],
+            "tensors": n_tensors,
+            "params": numel,
+        }
+    return results
 
 
 def _merge(per_rank: list[dict]) -> dict:
@@ -219,7 +236,7 @@ def _ratio(a, b):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2, help="gloo ranks (default 2)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per side (6)")
     parser.add_argument("--models", default="llama,moe", help="comma list of llama, moe")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS),
                         help="comma list of " + ", ".join(OPTIMIZERS))
@@ -264,10 +281,10 @@ def main(argv=None):
         for opt_name in opts:
             r = {"model": name, "spec": specs[name], "optimizer": opt_name}
             kinds = ("torch", "veragged") if opt_name in TORCH_PEER else ("veragged",)
+            res = pool.run(_worker, kinds, name, specs[name], opt_name, steps, args.mp,
+                           args.top, timeout=1200)
             for kind in kinds:
-                res = pool.run(_worker, kind, name, specs[name], opt_name, steps, args.mp,
-                               args.top, timeout=900)
-                r[kind] = _merge(res)
+                r[kind] = _merge([per_rank[kind] for per_rank in res])
             v, t = r["veragged"], r.get("torch")
             if t is not None:
                 r["time_ratio"] = v["step_s"] / t["step_s"]
