@@ -13,7 +13,7 @@ boundary, S a multiple of `256 / itemsize` so every rank's slot starts 256-byte 
   kernel), so nothing is copied in before or out after the collective. `reshard()` frees its
   storage and `unshard()` reallocates the same storage object, so the views (and tensors autograd
   saved from them) stay valid;
-- the *gradient* buffer (P * S elements, the compute dtype) is where backward's gradients land,
+- the *gradient* buffer (P * S elements, the reduce dtype) is where backward's gradients land,
   one write each ([Note: gradient landing], `grads.py`), and `reduce_scatter_tensor` reads it as
   is; the result is scaled (and cast) into the sharded gradients, views into one S-element
   buffer, by one fused kernel.
@@ -153,14 +153,15 @@ class DBuffer(GradientPath):
             self._unsharded[e.start : e.end].view(e.shape) for e in self.entries
         ]
         self._free(self._unsharded)
-        # Gradients of the unsharded parameters have their dtype (the engine accumulates in place).
-        self._grads = torch.empty(self.world * S, dtype=self.param_dtype,
+        # Gradients land in the reduce dtype, as torch's FSDP2 copies them into its reduce-scatter
+        # input (and accumulates no-sync micro-batches) in it: [Note: gradient landing].
+        self._grads = torch.empty(self.world * S, dtype=self.reduce_dtype,
                                   device=self.compute_device)
         self.unsharded_grads = [self._grads[e.start : e.end].view(e.shape) for e in self.entries]
         self._free(self._grads)
         self._landed = [True] * len(self.entries)  # which ranges hold a gradient (grads.py)
         self._shard_grad: torch.Tensor | None = None
-        self._acc: torch.Tensor | None = None  # reduce-dtype gradient sum over no-sync steps
+        self._land_scale = 1.0  # what landing gradients are multiplied by (grads.py)
         self._post_forward = None  # (kept chunk, group, parameter versions): see `reshard`
         self._partial: torch.Tensor | None = None  # HSDP sum awaiting its all-reduce
         self._gather_keep = None

@@ -5,11 +5,15 @@ reduce-scatter and the sharded gradients it writes.
 Backward does not write into a zeroed buffer through autograd's accumulation (a zero pass, then
 a read-add-write per element). Each unsharded parameter's `.grad` stays None; when autograd has
 stored a gradient, a post-accumulate-grad hook (`ParamGroup`) hands it to `land_grad`, which
-writes the parameter's range of the gradient buffer once (`g + 0.0`, so no element is -0.0: see
-[Note: unreached parameters]) or, for a later gradient before the buffer is reduced (a module
-used twice, no-sync micro-batches), adds it in, and drops `.grad` again. Autograd's first
-gradient is stored without a copy, so a parameter's gradient costs one write, as FSDP2's copy
-into its reduce-scatter input does. Ranges no gradient landed in (frozen and unreached
+writes the parameter's range of the gradient buffer once (`+0.0 + scale * g`, so no element is
+-0.0: see [Note: unreached parameters]) or, for a later gradient before the buffer is reduced
+(a module used twice, no-sync micro-batches), adds it in, and drops `.grad` again. The buffer
+has the reduce dtype, so the cast to it happens in that same write. `scale` is 1/world (HSDP:
+1/(shard x replicate); or 1/divide_factor) when that is a power of two: multiplying by it before
+the SUM gives exactly the bits of dividing after it (short of subnormals), so the
+reduce-scatter can write the sharded gradients directly, with no pass of its own. Autograd's
+first gradient is stored without a copy, so a parameter's gradient costs one write, as FSDP2's
+copy into its reduce-scatter input does. Ranges no gradient landed in (frozen and unreached
 parameters, padding) are zeroed by one launch (`complete_grads`) before the buffer is read.
 
 [Note: unreached parameters]
@@ -51,22 +55,36 @@ __all__ = ["GradientPath"]
 class GradientPath:
     """`DBuffer`'s gradient methods (a mixin: the buffers and entries are DBuffer's)."""
 
-    def alloc_unsharded_grads(self) -> list[torch.Tensor]:
-        """Allocate the gradient buffer, unzeroed: gradients land by `land_grad` and the rest
-        is zeroed by `complete_grads` ([Note: gradient landing]). Returns the per-tensor
-        views."""
+    def alloc_unsharded_grads(self, scale: float = 1.0) -> list[torch.Tensor]:
+        """Allocate the gradient buffer (the reduce dtype), unzeroed: gradients land by
+        `land_grad`, multiplied by `scale` (see `landing_scale`), and the rest is zeroed by
+        `complete_grads` ([Note: gradient landing]). Returns the per-tensor views."""
         self._alloc(self._grads)
         self._landed = [False] * len(self.entries)
+        self._land_scale = scale
         return self.unsharded_grads
+
+    def landing_scale(self, divide_factor: float | None = None, allowed: bool = True) -> float:
+        """The factor gradients may be multiplied by as they land: 1/world (or 1/divide_factor)
+        when that is a power of two, so that scaling before the SUM gives the bits scaling after
+        it would (short of subnormals) and the reduce-scatter can write the sharded gradients
+        with no pass of its own; else 1.0."""
+        replicas = math.prod(self.mesh.size(d) for d in range(self.mesh.ndim)
+                             if d != self.shard_dim)
+        factor = float(divide_factor) if divide_factor is not None else self.world * replicas
+        if not allowed or factor <= 0 or math.frexp(factor)[0] != 0.5:
+            return 1.0
+        return 1.0 / factor
 
     def land_grad(self, i: int, grad: torch.Tensor) -> None:
         """Write (first gradient since allocation) or add `grad` into tensor `i`'s range."""
         view = self.unsharded_grads[i]
         with torch.no_grad():
             if self._landed[i]:
-                view.add_(grad)
-            else:
-                torch.add(grad, 0.0, out=view)  # -0.0 + 0.0 = +0.0: see the note
+                view.add_(grad, alpha=self._land_scale)
+            else:  # +0.0 + x is never -0.0: see [Note: unreached parameters]
+                zero = torch.zeros((), dtype=view.dtype, device=view.device)
+                torch.add(zero, grad, alpha=self._land_scale, out=view)
                 self._landed[i] = True
 
     def complete_grads(self) -> None:
@@ -103,25 +121,11 @@ class GradientPath:
         self._alloc(self._grads)
         ops.zero_ranges_(self._grads, [(0, self._grads.numel())])
         self._landed = [True] * len(self.entries)
+        self._land_scale = 1.0
         return self.unsharded_grads
 
-    def stash_grads(self) -> None:
-        """Fold this backward's gradients into the reduce-dtype accumulator (no-sync steps).
-
-        Only needed when the reduce dtype is wider than the compute dtype: unsharded gradients
-        then accumulate across micro-batches in the reduce dtype, as torch's FSDP2 does, and the
-        compute-dtype buffer is freed until the next backward zeroes it again.
-        """
-        if self.reduce_dtype == self.param_dtype or not self.grads_allocated:
-            return
-        self.complete_grads()
-        if self._acc is None:  # the first micro-batch is cast in, later ones added
-            self._acc = torch.empty(self.world * self.shard_size, dtype=self.reduce_dtype,
-                                    device=self.compute_device)
-            ops.cast_scale_(self._acc, self._grads, 1.0)
-        else:
-            ops.accumulate_(self._acc, self._grads, 1.0)
-        self._free(self._grads)
+    def _replica_dims(self) -> list[int]:
+        return [d for d in range(self.mesh.ndim) if d != self.shard_dim and self.mesh.size(d) > 1]
 
     def reduce_grads(
         self,
@@ -135,10 +139,13 @@ class GradientPath:
     ):
         """Reduce-scatter the gradient buffer into the sharded gradients.
 
-        SUM on the wire (gloo's AVG is unreliable, pytorch #162338), then one fused kernel
-        scales by 1/world (if `average`; `divide_factor` replaces the world size) and casts into
-        the master-dtype shard gradient, adding to it when `accumulate`. HSDP: the result is
-        then all-reduced over the other mesh dims (unless `all_reduce` is False). A world of one
+        SUM on the wire (gloo's AVG is unreliable, pytorch #162338). The gradients are scaled by
+        1/world (if `average`; `divide_factor` replaces the world size) as they land when that is
+        exact (`landing_scale`), and the reduce-scatter then writes the sharded gradients
+        directly; otherwise one fused kernel scales and casts its result into them, adding when
+        `accumulate` and some sharded gradient holds an earlier sum. HSDP: the result is then
+        all-reduced over the other mesh dims (unless `all_reduce` is False). Gradients of
+        no-sync micro-batches have accumulated in the buffer, in the reduce dtype. A world of one
         communicates nothing. With `async_op` only the reduce-scatter is launched;
         `finish_reduce()` completes it. `unreached[i]` marks tensors this rank's backward did not
         reach: see [Note: unreached parameters].
@@ -147,30 +154,38 @@ class GradientPath:
         S = self.shard_size
         if self.grads_allocated:
             self.complete_grads()
-        if self._acc is not None:  # micro-batches accumulated in the reduce dtype
-            if self.grads_allocated:
-                ops.accumulate_(self._acc, self._grads, 1.0)
-            source, self._acc = self._acc, None
-        elif self.reduce_dtype != self.param_dtype:  # e.g. bf16 gradients reduced in fp32
-            source = torch.empty(self.world * S, dtype=self.reduce_dtype,
-                                 device=self.compute_device)
-            ops.cast_scale_(source, self._grads, 1.0)
-        else:
-            source = self._grads
+        source = self._grads
         if unreached is not None:
             for e, u in zip(self.entries, unreached):
                 if u:
                     source[e.start : e.end].fill_(-0.0)
         source = self._rank_major(source)
-        if self.world == 1:
-            reduced, work = source, None
+        replicas = math.prod(self.mesh.size(d) for d in self._replica_dims())
+        if divide_factor is not None:
+            scale = 1.0 / divide_factor
+        else:
+            scale = 1.0 / (self.world * replicas) if average else 1.0
+        scale /= self._land_scale
+        direct = (
+            self.world > 1 and scale == 1.0 and self.reduce_dtype == self.dtype
+            and self.device == self.compute_device and self._partial is None
+            and (all_reduce or not self._replica_dims())
+            and not (accumulate and any(self._bound(p) for p in self.params))
+        )
+        if direct:  # the reduce-scatter writes the sharded gradients
+            if self._shard_grad is None:
+                self._shard_grad = aligned_empty(S, self.dtype, self.device, pin_memory=self._pin)
+            reduced = self._shard_grad
+        elif self.world == 1:
+            reduced = source
         else:
             reduced = torch.empty(S, dtype=self.reduce_dtype, device=self.compute_device)
+        work = None
+        if self.world > 1:
             work = dist.reduce_scatter_tensor(
                 reduced, source, op=dist.ReduceOp.SUM, group=self.group, async_op=True
             )
-        self._reduce = (work, source, reduced, accumulate, average, divide_factor, all_reduce,
-                        unreached)
+        self._reduce = (work, source, reduced, direct, accumulate, scale, all_reduce, unreached)
         if not async_op:
             self.finish_reduce()
 
@@ -182,23 +197,20 @@ class GradientPath:
         ([Note: unreached parameters]). The others keep their `.grad` as it was (None stays
         None). Returns, per tensor, whether its gradient was written (all False if no reduction
         was in flight). `hook`, if given, is
-        `(fn, stream)`: `fn(reduced)` runs on this rank's reduced shard (the SUM, after the HSDP
-        all-reduce, before the division and cast; torch's `set_all_reduce_hook`), in `stream`'s
-        context if not None.
+        `(fn, stream)`: `fn(reduced)` runs on this rank's reduced shard (after the HSDP
+        all-reduce, before any scaling left after landing and the cast; torch's
+        `set_all_reduce_hook`: the group then lands gradients unscaled), in `stream`'s context
+        if not None.
         """
         if self._reduce is None:
             return [False] * len(self.params)
-        work, source, reduced, accumulate, average, divide_factor, all_reduce, unreached = (
-            self._reduce
-        )
+        work, source, reduced, direct, accumulate, scale, all_reduce, unreached = self._reduce
         self._reduce = None
         if work is not None:
             work.wait()
         del source
         S = self.shard_size
-        replica_dims = [d for d in range(self.mesh.ndim)
-                        if d != self.shard_dim and self.mesh.size(d) > 1]
-        replicas = math.prod(self.mesh.size(d) for d in replica_dims)
+        replica_dims = self._replica_dims()
         if replica_dims and not all_reduce:
             # HSDP micro-batch without the all-reduce (set_requires_all_reduce(False)): keep the
             # reduce-scattered sum aside, as torch does; the next all-reducing micro-batch adds
@@ -223,10 +235,6 @@ class GradientPath:
                     fn(reduced)
         if reduced.device != self.device:  # offloaded: the optimizer steps on host shards
             reduced = reduced[:S].to(self.device)
-        if divide_factor is not None:
-            scale = 1.0 / divide_factor
-        else:
-            scale = 1.0 / (self.world * replicas) if average else 1.0
         if self._shard_grad is None:
             self._shard_grad = aligned_empty(S, self.dtype, self.device, pin_memory=self._pin)
         bind = [True] * len(self.params) if bind is None else list(bind)
@@ -237,7 +245,9 @@ class GradientPath:
             (p, e) for p, e, b in zip(self.params, self.entries, bind)
             if b and not self._bound(p)
         ]
-        if accumulate and any(self._bound(p) for p in self.params):
+        if direct:
+            pass  # the reduce-scatter wrote them
+        elif accumulate and any(self._bound(p) for p in self.params):
             # Some sharded gradients (of any tensor, reached or not) hold earlier sums: add to
             # them; tensors whose .grad was dropped (set to None) start again from zero.
             ops.zero_ranges_(self._shard_grad, [e.local for _, e in unbound])

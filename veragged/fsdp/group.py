@@ -167,7 +167,10 @@ class ParamGroup:
         # of an earlier one still reads the gradient buffer this one is about to zero.
         self.finish_reduce()
         if not self._grads_live or not self.buffer.grads_allocated:
-            self.buffer.alloc_unsharded_grads()
+            # Scaled as they land when that is exact, unless an all-reduce hook must see sums.
+            scale = self.buffer.landing_scale(self.gradient_divide_factor,
+                                              allowed=self.all_reduce_hook is None)
+            self.buffer.alloc_unsharded_grads(scale)
             self._grads_live = True
         for i, u in enumerate(self.unsharded):
             if u.requires_grad and i not in self._hooked:
@@ -188,11 +191,8 @@ class ParamGroup:
         self.training_state = TrainingState.POST_BACKWARD
         for u in self.unsharded:
             u.grad = None
-        if self._grads_live:
-            if not self.reduce_grads:
-                self.buffer.stash_grads()
-            else:
-                self._launch_reduce(ctx)
+        if self._grads_live and self.reduce_grads:  # else no-sync: they stay and accumulate
+            self._launch_reduce(ctx)
         if self.reshard_after_backward:
             self.reshard()
 
