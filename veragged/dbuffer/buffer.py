@@ -162,6 +162,7 @@ class DBuffer(GradientPath):
         self._landed = [True] * len(self.entries)  # which ranges hold a gradient (grads.py)
         self._shard_grad: torch.Tensor | None = None
         self._land_scale = 1.0  # what landing gradients are multiplied by (grads.py)
+        self._zero: torch.Tensor | None = None
         self._post_forward = None  # (kept chunk, group, parameter versions): see `reshard`
         self._partial: torch.Tensor | None = None  # HSDP sum awaiting its all-reduce
         self._gather_keep = None

@@ -62,6 +62,8 @@ class GradientPath:
         self._alloc(self._grads)
         self._landed = [False] * len(self.entries)
         self._land_scale = scale
+        if self._zero is None:  # the +0.0 each landing adds, made once
+            self._zero = torch.zeros((), dtype=self._grads.dtype, device=self._grads.device)
         return self.unsharded_grads
 
     def landing_scale(self, divide_factor: float | None = None, allowed: bool = True) -> float:
@@ -83,8 +85,7 @@ class GradientPath:
             if self._landed[i]:
                 view.add_(grad, alpha=self._land_scale)
             else:  # +0.0 + x is never -0.0: see [Note: unreached parameters]
-                zero = torch.zeros((), dtype=view.dtype, device=view.device)
-                torch.add(zero, grad, alpha=self._land_scale, out=view)
+                torch.add(self._zero, grad, alpha=self._land_scale, out=view)
                 self._landed[i] = True
 
     def complete_grads(self) -> None:
