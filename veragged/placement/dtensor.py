@@ -25,6 +25,9 @@ from veragged.placement.layout import ragged_mesh_dim
 
 __all__ = ["RaggedDTensor"]
 
+_KINDS, _META = ops._KINDS, ops._META
+_no_subclass_function = torch._C.DisableTorchFunctionSubclass
+
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
@@ -41,6 +44,24 @@ def make_spec(mesh: DeviceMesh, placements, shape, dtype, stride=None) -> DTenso
         tuple(placements),
         TensorMeta(shape, tuple(stride or _contiguous_stride(shape)), dtype),
     )
+
+
+_SPECS: dict = {}  # (id(mesh), placements, shape, stride, dtype) -> spec (the spec holds the mesh)
+
+
+def cached_spec(mesh: DeviceMesh, placements, shape, dtype, stride=None) -> DTensorSpec:
+    """`make_spec`, shared between calls with the same arguments: specs are not mutated once
+    made (torch's sharding propagation shares its output specs the same way), and building
+    one costs more than a small op. A mesh freed and its id reused gets a fresh entry."""
+    shape = tuple(shape)
+    stride = tuple(stride or _contiguous_stride(shape))
+    key = (id(mesh), tuple(placements), shape, stride, dtype)
+    spec = _SPECS.get(key)
+    if spec is None or spec.mesh is not mesh:
+        if len(_SPECS) > 4096:
+            _SPECS.clear()
+        spec = _SPECS[key] = make_spec(mesh, placements, shape, dtype, stride)
+    return spec
 
 
 def accumulate_grads_locally(dt) -> None:
@@ -186,6 +207,15 @@ class RaggedDTensor(DTensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # Metadata reads (`x.grad`, `x.shape`, ...), the most frequent calls, answered here:
+        # see ops.handle_torch_function (which classifies `func` on its first call).
+        try:
+            meta = _KINDS.get(func) is _META
+        except TypeError:  # an unhashable callable
+            meta = False
+        if meta:
+            with _no_subclass_function():
+                return func(*args, **kwargs) if kwargs else func(*args)
         return ops.handle_torch_function(func, args, kwargs or {})
 
     @classmethod
@@ -237,3 +267,7 @@ from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach
 for _types in (_optim_foreach_types, _util_foreach_types):
     if RaggedDTensor not in _types:
         _types.append(RaggedDTensor)
+
+from veragged.placement import fastpath as _fastpath  # noqa: E402
+
+_fastpath.bind(RaggedDTensor)

@@ -53,11 +53,19 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._ops import _math_ops
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from veragged.placement.reductions import _check_grad, _reduce_dims, _split_input, all_reduce
+from veragged.placement import fastpath
+from veragged.placement.reductions import (
+    _check_grad,
+    _reduce_dims,
+    _split_input,
+    all_reduce,
+    result_dtensor,
+)
 
 __all__ = ["NORM_FUNCTIONS", "NORM_PACKETS"]
 
@@ -99,6 +107,31 @@ def _finish(part: torch.Tensor, ord: float) -> torch.Tensor:
     return part.sqrt() if ord == 2 else part.pow(1.0 / ord)
 
 
+_META_NORMS: dict = {}  # argument key -> torch's meta result (cached: it only depends on them)
+
+
+def _meta_norm(dt, ord, dim, keepdim, dtype) -> torch.Tensor:
+    """torch's argument checks, output shape and dtype, on a meta tensor of the global shape."""
+    meta = dt._spec.tensor_meta
+    try:
+        key = (meta.shape, meta.dtype, ord, dim if not isinstance(dim, list) else tuple(dim),
+               keepdim, dtype)
+        hash(key)
+    except TypeError:  # an unhashable argument: no cache (torch raises or handles it)
+        key = None
+    out = _META_NORMS.get(key) if key is not None else None
+    if out is None:
+        out = torch.linalg.vector_norm(
+            torch.empty(meta.shape, dtype=meta.dtype, device="meta"), ord, dim, keepdim,
+            dtype=dtype,
+        )
+        if key is not None:
+            if len(_META_NORMS) > 4096:
+                _META_NORMS.clear()
+            _META_NORMS[key] = out
+    return out
+
+
 def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     """`torch.linalg.vector_norm` / `aten.linalg_vector_norm`; see [Note: norms on RaggedShard]."""
     dt = _ragged(x)
@@ -106,20 +139,18 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
         raise NotImplementedError(
             "torch.linalg.vector_norm(out=...) is not supported on RaggedShard DTensors"
         )
-    # torch's argument checks, output shape and dtype, on the global shape.
-    meta = torch.linalg.vector_norm(
-        torch.empty(dt.shape, dtype=dt.dtype, device="meta"), ord, dim, keepdim, dtype=dtype
-    )
+    meta = _meta_norm(dt, ord, dim, keepdim, dtype)
     _check_grad("linalg.vector_norm", dt, meta.dtype)
     ord = float(ord)
+    ndim = len(dt._spec.tensor_meta.shape)
     given = () if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
-    dims = sorted({d % dt.dim() for d in given}) if dt.dim() else []
-    if meta.numel() == 1 or not dims or len(dims) == dt.dim():
+    dims = sorted({d % ndim for d in given}) if ndim else []
+    if meta.numel() == 1 or not dims or len(dims) == ndim:
         mesh_dims, placements = _reduce_dims("linalg.vector_norm", dt)
         part = _part(dt._local_tensor, ord, dtype=dtype)
         norm = _finish(all_reduce(part, _reduce_op(ord), dt.device_mesh, mesh_dims), ord)
         value = norm.to(meta.dtype).reshape(meta.shape)
-        return DTensor.from_local(value, dt.device_mesh, placements, run_check=False)
+        return result_dtensor(value, dt.device_mesh, placements)
     return _norm_over_dims(dt, ord, dim, dims, dtype, meta, keepdim)
 
 
@@ -178,33 +209,59 @@ def _norm_placement(ord: float) -> Placement:
 def _foreach_norm(tensors, ord=2, dtype=None):
     """`torch._foreach_norm` of RaggedShard DTensors: per tensor, this rank's norm as a 0-dim
     DTensor, partial over the sharded mesh dims ([Note: norms on RaggedShard])."""
-    tensors = [_ragged(t) for t in tensors]  # all RaggedShard: ops.py splits mixed lists
+    ragged = fastpath.ragged_type()
+    # All RaggedShard: ops.py splits mixed lists.
+    tensors = [t if type(t) is ragged else _ragged(t) for t in tensors]
     ord = float(ord)
-    placements = []
-    for t in tensors:
-        _check_grad("_foreach_norm", t, dtype or t.dtype.to_real())
-        if any(isinstance(p, Partial) for p in t.placements):
-            raise NotImplementedError(
-                f"torch._foreach_norm of a RaggedShard DTensor with Partial placements "
-                f"{t.placements}: reduce the Partial mesh dim first"
-            )
-        placements.append(
-            [p if isinstance(p, Replicate) else _norm_placement(ord) for p in t.placements]
-        )
+    if torch.is_grad_enabled():
+        for t in tensors:
+            _check_grad("_foreach_norm", t, dtype or t.dtype.to_real())
     # A shard with no element (of a tensor with some) holds the reduction's identity; the others
     # (and tensors with no element anywhere: torch's result or error) take torch's kernel.
-    computed = [i for i, t in enumerate(tensors) if t._local_tensor.numel() or not t.numel()]
-    locals_ = [tensors[i]._local_tensor for i in computed]
-    norms = dict(zip(computed, torch._foreach_norm(locals_, ord, dtype=dtype) if locals_ else ()))
-    out = []
-    for i, (t, p) in enumerate(zip(tensors, placements)):
-        value = norms.get(i)
-        if value is None:
-            value = torch.tensor(
+    locals_ = [t._local_tensor for t in tensors]
+    if all(x.numel() for x in locals_):
+        values = torch._foreach_norm(locals_, ord, dtype=dtype) if locals_ else []
+    else:
+        computed = [i for i, t in enumerate(tensors) if locals_[i].numel() or not t.numel()]
+        some = [locals_[i] for i in computed]
+        norms = dict(zip(computed, torch._foreach_norm(some, ord, dtype=dtype) if some else ()))
+        values = [
+            norms[i] if i in norms else torch.tensor(
                 math.inf if ord < 0 else 0.0, dtype=dtype or t.dtype.to_real(), device=t.device
             )
-        out.append(DTensor.from_local(value, t.device_mesh, p, run_check=False))
+            for i, t in enumerate(tensors)
+        ]
+    out = []
+    specs = _NORM_SPECS
+    for t, value in zip(tensors, values):
+        spec = t._spec
+        given, mesh = spec.placements, spec.mesh
+        key = (id(given), id(mesh), ord, value.dtype)
+        entry = specs.get(key)
+        if entry is None or entry[0] is not given or entry[1] is not mesh:
+            if len(specs) > 4096:
+                specs.clear()
+            entry = specs[key] = (given, mesh, _norm_spec(given, mesh, ord, value.dtype))
+        out.append(DTensor(value, entry[2], requires_grad=False))
     return out
+
+
+# (id(placements), id(mesh), ord, dtype) -> (placements, mesh, the norms' spec): the entry keeps
+# the placements and mesh alive, so their ids are not reused while it is there.
+_NORM_SPECS: dict = {}
+
+
+def _norm_spec(given: tuple, mesh, ord: float, dtype) -> DTensorSpec:
+    """The spec of `_foreach_norm`'s 0-dim output for an input with placements `given`: partial
+    over the sharded mesh dims, Replicate on the others (what `DTensor.from_local` builds)."""
+    if any(isinstance(p, Partial) for p in given):
+        raise NotImplementedError(
+            f"torch._foreach_norm of a RaggedShard DTensor with Partial placements {given}: "
+            "reduce the Partial mesh dim first"
+        )
+    partial = _norm_placement(ord)
+    placements = tuple(p if isinstance(p, Replicate) else partial for p in given)
+    return DTensorSpec(mesh, placements, TensorMeta(torch.Size(()), (), dtype))
 
 
 class _Record(TorchDispatchMode):

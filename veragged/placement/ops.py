@@ -13,6 +13,9 @@ DTensor subclass; 2.11's C++ dispatch fast path skips a subclass's `__torch_disp
   DTensors). The Python function runs on the local tensors under `_Allowlist`, a dispatch mode
   that lets only those aten ops through, so a composite function that reduces or reshapes
   inside raises instead of computing on one shard.
+- Element-wise, `_foreach_*` and fused optimizer calls whose operands are RaggedShard DTensors of
+  matching layouts and 0-dim scalars (what optimizer steps and clipping run) take a fast path
+  with the same results and less Python per call: [Note: the ops fast path] (fastpath.py).
 - `_foreach_*` and fused optimizer ops whose lists hold RaggedShard DTensors at some positions
   and other tensors at others (torch's optimizers group FSDP parameters with `replicate()`d or
   ignored plain ones): the op runs twice, on the positions holding a RaggedShard DTensor (as
@@ -41,6 +44,7 @@ from torch.distributed.tensor.placement_types import Partial
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from veragged.placement import fastpath
 from veragged.placement.layout import ragged_mesh_dim
 from veragged.placement.norms import NORM_FUNCTIONS, NORM_PACKETS
 from veragged.placement.random_ops import RANDOM_FUNCTIONS, RANDOM_PACKETS, random_op
@@ -63,9 +67,10 @@ _META_METHODS = frozenset(
         "size dim numel stride nelement element_size requires_grad_ register_hook retain_grad "
         "backward get_device is_floating_point is_complex __format__ "
         "register_post_accumulate_grad_hook "
-        "_is_view is_contiguous storage_offset"
+        "_is_view is_contiguous storage_offset is_conj is_neg is_inference"
     ).split()
-)
+) | {torch.is_complex, torch.is_floating_point, torch.numel, torch.is_conj, torch.is_neg,
+     torch.is_inference}
 _FACTORIES = frozenset(
     op.default
     for op in (
@@ -135,9 +140,7 @@ class _Allowlist(TorchDispatchMode):
 
 
 def _is_ragged_dt(x) -> bool:
-    from veragged.placement.dtensor import RaggedDTensor
-
-    return isinstance(x, RaggedDTensor)
+    return isinstance(x, fastpath.ragged_type())
 
 
 def _same_layout(a: DTensor, b: DTensor) -> bool:
@@ -278,6 +281,8 @@ def _split_mixed(func, args, kwargs):
     # Per-position arguments: the lists of that length (tensors, or scalars such as Adam's
     # step sizes); other arguments (scalars, a 0-dim coefficient, an empty list) go to both.
     lists = [v for v in values if isinstance(v, (list, tuple)) and len(v) == n]
+    if all(_is_ragged_dt(e) for e in lists[0]):
+        return NotImplemented  # every position holds a RaggedShard DTensor
     ragged = [i for i in range(n) if any(_holds_ragged(v[i]) for v in lists)]
     if not ragged or len(ragged) == n:
         return NotImplemented
@@ -336,18 +341,63 @@ _SPECIAL = {
 _PACKETS = {**REDUCTION_PACKETS, **NORM_PACKETS}
 
 
-def handle_torch_function(func, args, kwargs):
-    """`RaggedDTensor.__torch_function__`; see [Note: ops on RaggedShard DTensors]."""
+def _classify(func) -> int:
+    """Which path `func` takes in `handle_torch_function` (cached per func by `_kind`)."""
     if func in _META_METHODS or (
         _name(func) in ("__get__", "__set__")
-        and getattr(func.__self__, "__name__", None) in _META_PROPERTIES
+        and getattr(getattr(func, "__self__", None), "__name__", None) in _META_PROPERTIES
     ):
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        if func is torch.Tensor.requires_grad_ or _name(func) == "__set__":
-            from veragged.placement.dtensor import accumulate_grads_locally
+        setter = func is torch.Tensor.requires_grad_ or _name(func) == "__set__"
+        return _META_SET if setter else _META
+    if (
+        func in _SPECIAL
+        or getattr(func, "overloadpacket", None) in _PACKETS
+        or func in _INDEXING
+        or not _elementwise(func)
+    ):
+        return _GENERAL
+    name = _name(func)
+    if name.startswith(_PER_POSITION):
+        return _GENERAL if name in _FOREACH_REDUCTIONS else _LISTS
+    return _ELEMENTWISE_OP
 
-            accumulate_grads_locally(args[0])
+
+_META, _META_SET, _LISTS, _ELEMENTWISE_OP, _GENERAL = range(5)
+_KINDS: dict = {}
+_no_subclass_function = torch._C.DisableTorchFunctionSubclass
+
+
+def _kind(func) -> int:
+    try:
+        kind = _KINDS.get(func)
+    except TypeError:  # an unhashable callable
+        return _classify(func)
+    if kind is None:
+        kind = _KINDS[func] = _classify(func)
+    return kind
+
+
+def handle_torch_function(func, args, kwargs):
+    """`RaggedDTensor.__torch_function__`; see [Note: ops on RaggedShard DTensors] and, for
+    element-wise and `_foreach_*` ops, [Note: the ops fast path] (fastpath.py)."""
+    kind = _kind(func)
+    if kind is _META:  # metadata (`x.grad`, `x.shape`, ...): the most frequent calls
+        with _no_subclass_function():
+            return func(*args, **kwargs)
+    if kind is _LISTS:
+        out = fastpath.per_position(func, args, kwargs)
+        if out is not fastpath.SLOW:
+            return out
+    elif kind is _ELEMENTWISE_OP:
+        out = fastpath.elementwise(func, args, kwargs)
+        if out is not fastpath.SLOW:
+            return out
+    elif kind is _META_SET:
+        with _no_subclass_function():
+            out = func(*args, **kwargs)
+        from veragged.placement.dtensor import accumulate_grads_locally
+
+        accumulate_grads_locally(args[0])
         return out
     out = _split_mixed(func, args, kwargs)
     if out is not NotImplemented:
@@ -386,19 +436,48 @@ def _takes_tensors(t) -> bool:
     return "Tensor" in str(t)
 
 
+# Tensor dunders (by `__name__`) -> the aten packets their body runs (`__rdiv__`, which is also
+# `__rtruediv__`, is Python: `self.reciprocal() * other`).
+_DUNDERS = {
+    "__add__": ("add",), "__radd__": ("add",), "__iadd__": ("add_",),
+    "__sub__": ("sub",), "__isub__": ("sub_",),
+    "__mul__": ("mul",), "__rmul__": ("mul",), "__imul__": ("mul_",),
+    "__truediv__": ("div",), "__div__": ("div",), "__idiv__": ("div_",),
+    "__rdiv__": ("reciprocal", "mul"), "__rpow__": ("pow",),
+}
+
+
+def _overload_allowed(packet, name: str) -> bool:
+    """`_allowed`, also for an `X_out` overload (`add.Scalar_out`, untagged) of an allowed `X`."""
+    if _allowed(getattr(packet, name)):
+        return True
+    base = name[:-4] if name.endswith("_out") else None
+    return base in packet.overloads() and _allowed(getattr(packet, base))
+
+
 def _elementwise(func) -> bool:
-    """Whether every aten overload that `func` (by name, e.g. `Tensor.mul_`) can run is allowed.
+    """Whether every aten overload that `func` (by name, e.g. `Tensor.mul_`, or a dunder in
+    `_DUNDERS`) can run is allowed.
 
     Such a call can skip the `_Allowlist` mode, which costs more than the op on small shards.
-    Names without an aten packet of the same name (dunders, composites) take the checked path.
+    Names without an aten packet (other dunders, composites) take the checked path.
     """
     known = _ELEMENTWISE.get(func)
     if known is None:
-        packet = getattr(aten, getattr(func, "__name__", ""), None)
-        ops = packet.overloads() if isinstance(packet, torch._ops.OpOverloadPacket) else []
-        ops = [getattr(packet, o) for o in ops]
-        ops = [op for op in ops if any(_takes_tensors(a.type) for a in op._schema.arguments)]
-        known = bool(ops) and all(_allowed(op) for op in ops)
+        name = getattr(func, "__name__", "")
+        known = False
+        for packet_name in _DUNDERS.get(name, (name,)):
+            packet = getattr(aten, packet_name, None)
+            if not isinstance(packet, torch._ops.OpOverloadPacket):
+                known = False
+                break
+            names = [
+                o for o in packet.overloads()
+                if any(_takes_tensors(a.type) for a in getattr(packet, o)._schema.arguments)
+            ]
+            known = bool(names) and all(_overload_allowed(packet, o) for o in names)
+            if not known:
+                break
         _ELEMENTWISE[func] = known
     return known
 

@@ -159,7 +159,17 @@ def _reduce(name: str, fn, x, args: tuple, kwargs: dict):
     if name == "mean":
         part = part / dt.numel() if dt.numel() else part / 0.0
     value = part.to(out_dtype).reshape(meta.shape)
-    return DTensor.from_local(value, dt.device_mesh, placements, run_check=False)
+    return result_dtensor(value, dt.device_mesh, placements)
+
+
+def result_dtensor(value: torch.Tensor, mesh, placements) -> DTensor:
+    """`DTensor.from_local(value, mesh, placements, run_check=False)` for a reduction's result
+    (Replicate or Partial placements, so its global shape is its local one), built directly:
+    these results carry no autograd, so from_local's autograd function is not needed."""
+    from veragged.placement.dtensor import cached_spec
+
+    spec = cached_spec(mesh, placements, value.shape, value.dtype, value.stride())
+    return DTensor(value, spec, requires_grad=False)
 
 
 def all_reduce(part: torch.Tensor, op, mesh, mesh_dims) -> torch.Tensor:
@@ -168,6 +178,8 @@ def all_reduce(part: torch.Tensor, op, mesh, mesh_dims) -> torch.Tensor:
     A floating MAX/MIN carries NaN as a separate flag, since gloo's max/min may drop a NaN: a NaN
     on any rank gives NaN, as torch's max/min of the whole tensor does.
     """
+    # A mesh dim of one rank has nothing to combine (torch's redistribute skips it too).
+    mesh_dims = [j for j in mesh_dims if mesh.size(j) > 1]
     extremum = op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN)
     if not (mesh_dims and extremum and part.is_floating_point()):
         for j in mesh_dims:
