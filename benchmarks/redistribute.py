@@ -7,9 +7,9 @@ For each tensor of a transformer-block-like group, from the same run:
   even->R        `full_tensor()` of a RaggedShard with rows spread as evenly as they go
                  (`local_units` differ by at most one row): one all-gather;
   ragged->R      `full_tensor()` of a RaggedShard with skewed, zero-containing `local_units`
-                 (whole rows): padding every piece to the largest would add more than
-                 `collectives.PADDING_LIMIT` of the bytes, so it runs as one all-to-all of the
-                 exact pieces;
+                 (whole rows): one all-gather of pieces padded to the largest (a broadcast when
+                 one rank holds everything), so no send buffer grows with the world size
+                 ([Note: ragged gathers without world-sized send buffers]);
   ragged->root   `redistribute` of the same RaggedShard to a root-only RaggedShard (Muon's
                  gather-to-owner, roots spread over the ranks): one all-to-all.
 
@@ -32,7 +32,6 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import veragged
 from veragged import RaggedShard
-from veragged.placement.collectives import PADDING_LIMIT
 from veragged.testing import get_mesh, run_on_ranks
 
 WORLD = 4
@@ -60,7 +59,7 @@ def _units(rows, seed):
 def _gather_bytes(sizes, itemsize):
     """Bytes veragged's ragged -> Replicate receives over the wire, summed over ranks."""
     P, total = len(sizes), sum(sizes)
-    if P * max(sizes) - total > PADDING_LIMIT * total:  # all-to-all of the exact pieces
+    if sum(1 for s in sizes if s) == 1:  # a broadcast from the one holder
         return (P - 1) * total * itemsize
     return P * (P - 1) * max(sizes) * itemsize  # all-gather padded to the largest piece
 

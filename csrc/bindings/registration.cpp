@@ -55,4 +55,12 @@ TORCH_LIBRARY(veragged, m) {
       "Tensor(d!) m_absmax, Tensor(e!) v_absmax, Tensor qmap_signed, Tensor qmap_unsigned, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
       "int block_size) -> ()");
+  // The same for a list of shards of one dtype in one launch, each with its own step count
+  // ([Note: AdamW8bit multi-tensor launch]): AdamW8bit steps a param group's 8-bit parameters
+  // with one call.
+  m.def(
+      "adamw8bit_multi_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] m_codes, "
+      "Tensor(c!)[] v_codes, Tensor(d!)[] m_absmax, Tensor(e!)[] v_absmax, Tensor qmap_signed, "
+      "Tensor qmap_unsigned, float lr, float beta1, float beta2, float eps, float weight_decay, "
+      "int[] steps, int block_size) -> ()");
 }

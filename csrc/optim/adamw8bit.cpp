@@ -1,6 +1,7 @@
-// CPU kernel of `veragged::adamw8bit_step_`; see [Note: AdamW8bit kernel] in adamw8bit.h.
-// Parallel over quantisation blocks: each task updates whole blocks, so blocks never share a
-// write and the result does not depend on the thread count.
+// CPU kernels of `veragged::adamw8bit_step_` and `adamw8bit_multi_step_`; see
+// [Note: AdamW8bit kernel] and [Note: AdamW8bit multi-tensor launch] in adamw8bit.h. Parallel
+// over quantisation blocks (of all tensors of a launch): each task updates whole blocks, so
+// blocks never share a write and the result does not depend on the thread count.
 //
 // [Note: floor-code bucket table]
 // Requantising is the costly part: two 8-step searches per element, each step a dependent load.
@@ -105,60 +106,93 @@ std::shared_ptr<const FloorTable> floor_table(const float* qmap) {
 
 constexpr int kLanes = 8;
 
+// Scratch of one task: the dequantised moments and their scaled values, for one block.
+struct Scratch {
+  explicit Scratch(int64_t bs) : buf(static_cast<size_t>(4 * bs)) {}
+  std::vector<float> buf;
+};
+
+// Block `b` (counted from the tensor's start) of tensor `t`: the whole update of
+// [Note: AdamW8bit kernel], in place.
 template <typename scalar_t>
-void step_blocks(scalar_t* p, const scalar_t* g, uint8_t* mc, uint8_t* vc, float* m_abs,
-                 float* v_abs, const float* qs, const float* qu, const FloorTable& fs,
-                 const FloorTable& fu, int zs, int zu, int64_t n, int64_t bs,
-                 const AdamW8bitScalars& s) {
-  const int64_t blocks = (n + bs - 1) / bs;
+void step_block(const AdamW8bitTensor& t, int64_t b, int64_t bs, const float* qs,
+                const float* qu, const FloorTable& fs, const FloorTable& fu, int zs, int zu,
+                Scratch& scratch) {
+  scalar_t* p = static_cast<scalar_t*>(t.p);
+  const scalar_t* g = static_cast<const scalar_t*>(t.g);
+  uint8_t* mc = t.mc;
+  uint8_t* vc = t.vc;
+  const AdamW8bitScalars& s = t.s;
+  float* m = scratch.buf.data();
+  float* v = m + bs;
+  float* ym = v + bs;  // m and v divided by the block's new absmax
+  float* yv = ym + bs;
+  const int64_t lo = b * bs, len = std::min(bs, t.n - lo);
+  const float old_m_abs = t.m_abs[b], old_v_abs = t.v_abs[b];
+  for (int64_t j = 0; j < len; ++j) {  // dequantise: table lookups
+    m[j] = qs[mc[lo + j]] * old_m_abs;
+    v[j] = qu[vc[lo + j]] * old_v_abs;
+  }
+  for (int64_t j = 0; j < len; ++j) {  // the element math (vectorised: no lookups)
+    const ElementUpdate u = update_element(static_cast<float>(p[lo + j]),
+                                           static_cast<float>(g[lo + j]), m[j], v[j], s);
+    p[lo + j] = static_cast<scalar_t>(u.p);  // u.p == p for a non-finite gradient
+    m[j] = u.m;
+    v[j] = u.v;
+  }
+  // Block absmax in kLanes independent lanes (vectorisable; a max of finite values is exact in
+  // any order, so the result is the sequential one).
+  float lane_m[kLanes] = {}, lane_v[kLanes] = {};
+  for (int64_t j = 0; j < len; ++j) {
+    const float am = std::fabs(m[j]);
+    lane_m[j % kLanes] = lane_m[j % kLanes] < am ? am : lane_m[j % kLanes];
+    lane_v[j % kLanes] = lane_v[j % kLanes] < v[j] ? v[j] : lane_v[j % kLanes];  // v >= 0
+  }
+  float new_m_abs = 0.0f, new_v_abs = 0.0f;
+  for (int k = 0; k < kLanes; ++k) {
+    new_m_abs = std::max(new_m_abs, lane_m[k]);
+    new_v_abs = std::max(new_v_abs, lane_v[k]);
+  }
+  // Scale into the maps' [-1, 1] range (divisions, vectorised), then look the codes up.
+  const float dm = new_m_abs == 0.0f ? 1.0f : new_m_abs;
+  const float dv = new_v_abs == 0.0f ? 1.0f : new_v_abs;
+  for (int64_t j = 0; j < len; ++j) {
+    ym[j] = m[j] / dm;
+    yv[j] = v[j] / dv;
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    mc[lo + j] = quantize_scaled(qs, fs, ym[j], m[j], new_m_abs, zs, /*keep_sign=*/true);
+    vc[lo + j] = quantize_scaled(qu, fu, yv[j], v[j], new_v_abs, zu, /*keep_sign=*/false);
+  }
+  t.m_abs[b] = new_m_abs;
+  t.v_abs[b] = new_v_abs;
+}
+
+// Every block of every tensor, in parallel over the launch's block numbering
+// ([Note: AdamW8bit multi-tensor launch]): a task finds the tensor of its first block by binary
+// search and walks on from there.
+void step_tensors(const std::vector<AdamW8bitTensor>& tensors, int64_t total_blocks, int64_t bs,
+                  at::ScalarType dtype, const at::Tensor& qmap_signed,
+                  const at::Tensor& qmap_unsigned) {
+  if (tensors.empty()) return;
+  const float* qs = qmap_signed.const_data_ptr<float>();
+  const float* qu = qmap_unsigned.const_data_ptr<float>();
+  const int zs = zero_code(qs), zu = zero_code(qu);
+  const auto fs = floor_table(qs), fu = floor_table(qu);
   const int64_t grain = std::max<int64_t>(1, kGrainElements / bs);
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<float> scratch(static_cast<size_t>(4 * bs));
-    float* m = scratch.data();
-    float* v = m + bs;
-    float* ym = v + bs;  // m and v divided by the block's new absmax
-    float* yv = ym + bs;
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t lo = b * bs, len = std::min(bs, n - lo);
-      const float old_m_abs = m_abs[b], old_v_abs = v_abs[b];
-      for (int64_t j = 0; j < len; ++j) {  // dequantise: table lookups
-        m[j] = qs[mc[lo + j]] * old_m_abs;
-        v[j] = qu[vc[lo + j]] * old_v_abs;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "adamw8bit", [&] {
+    at::parallel_for(0, total_blocks, grain, [&](int64_t b0, int64_t b1) {
+      Scratch scratch(bs);
+      auto it = std::upper_bound(
+          tensors.begin(), tensors.end(), b0,
+          [](int64_t b, const AdamW8bitTensor& t) { return b < t.first_block; });
+      size_t i = static_cast<size_t>(it - tensors.begin()) - 1;  // first_block <= b0
+      for (int64_t b = b0; b < b1; ++b) {
+        while (i + 1 < tensors.size() && tensors[i + 1].first_block <= b) ++i;
+        step_block<scalar_t>(tensors[i], b - tensors[i].first_block, bs, qs, qu, *fs, *fu, zs,
+                             zu, scratch);
       }
-      for (int64_t j = 0; j < len; ++j) {  // the element math (vectorised: no lookups)
-        const ElementUpdate u = update_element(static_cast<float>(p[lo + j]),
-                                               static_cast<float>(g[lo + j]), m[j], v[j], s);
-        p[lo + j] = static_cast<scalar_t>(u.p);  // u.p == p for a non-finite gradient
-        m[j] = u.m;
-        v[j] = u.v;
-      }
-      // Block absmax in kLanes independent lanes (vectorisable; a max of finite values is
-      // exact in any order, so the result is the sequential one).
-      float lane_m[kLanes] = {}, lane_v[kLanes] = {};
-      for (int64_t j = 0; j < len; ++j) {
-        const float am = std::fabs(m[j]);
-        lane_m[j % kLanes] = lane_m[j % kLanes] < am ? am : lane_m[j % kLanes];
-        lane_v[j % kLanes] = lane_v[j % kLanes] < v[j] ? v[j] : lane_v[j % kLanes];  // v >= 0
-      }
-      float new_m_abs = 0.0f, new_v_abs = 0.0f;
-      for (int k = 0; k < kLanes; ++k) {
-        new_m_abs = std::max(new_m_abs, lane_m[k]);
-        new_v_abs = std::max(new_v_abs, lane_v[k]);
-      }
-      // Scale into the maps' [-1, 1] range (divisions, vectorised), then look the codes up.
-      const float dm = new_m_abs == 0.0f ? 1.0f : new_m_abs;
-      const float dv = new_v_abs == 0.0f ? 1.0f : new_v_abs;
-      for (int64_t j = 0; j < len; ++j) {
-        ym[j] = m[j] / dm;
-        yv[j] = v[j] / dv;
-      }
-      for (int64_t j = 0; j < len; ++j) {
-        mc[lo + j] = quantize_scaled(qs, fs, ym[j], m[j], new_m_abs, zs, /*keep_sign=*/true);
-        vc[lo + j] = quantize_scaled(qu, fu, yv[j], v[j], new_v_abs, zu, /*keep_sign=*/false);
-      }
-      m_abs[b] = new_m_abs;
-      v_abs[b] = new_v_abs;
-    }
+    });
   });
 }
 
@@ -171,21 +205,34 @@ void adamw8bit_step_cpu(at::Tensor param, const at::Tensor& grad, at::Tensor m_c
                        qmap_unsigned, step, block_size);
   const int64_t n = param.numel();
   if (n == 0) return;
-  const AdamW8bitScalars s = make_scalars(lr, beta1, beta2, eps, weight_decay, step);
-  const float* qs = qmap_signed.const_data_ptr<float>();
-  const float* qu = qmap_unsigned.const_data_ptr<float>();
-  const int zs = zero_code(qs), zu = zero_code(qu);
-  const auto fs = floor_table(qs), fu = floor_table(qu);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, param.scalar_type(), "adamw8bit", [&] {
-    step_blocks<scalar_t>(param.data_ptr<scalar_t>(), grad.const_data_ptr<scalar_t>(),
-                          m_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(),
-                          m_absmax.data_ptr<float>(), v_absmax.data_ptr<float>(), qs, qu, *fs,
-                          *fu, zs, zu, n, block_size, s);
-  });
+  const AdamW8bitTensor t{param.data_ptr(), grad.const_data_ptr(), m_codes.data_ptr<uint8_t>(),
+                          v_codes.data_ptr<uint8_t>(), m_absmax.data_ptr<float>(),
+                          v_absmax.data_ptr<float>(), n, 0,
+                          make_scalars(lr, beta1, beta2, eps, weight_decay, step)};
+  step_tensors({t}, (n + block_size - 1) / block_size, block_size, param.scalar_type(),
+               qmap_signed, qmap_unsigned);
+}
+
+void adamw8bit_multi_step_cpu(at::TensorList params, at::TensorList grads,
+                              at::TensorList m_codes, at::TensorList v_codes,
+                              at::TensorList m_absmax, at::TensorList v_absmax,
+                              const at::Tensor& qmap_signed, const at::Tensor& qmap_unsigned,
+                              double lr, double beta1, double beta2, double eps,
+                              double weight_decay, c10::IntArrayRef steps, int64_t block_size) {
+  int64_t total_blocks = 0;
+  const std::vector<AdamW8bitTensor> tensors = adamw8bit_descriptors(
+      params, grads, m_codes, v_codes, m_absmax, v_absmax, qmap_signed, qmap_unsigned, lr, beta1,
+      beta2, eps, weight_decay, steps, block_size, total_blocks);
+  if (tensors.empty()) return;
+  step_tensors(tensors, total_blocks, block_size, params[0].scalar_type(), qmap_signed,
+               qmap_unsigned);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(veragged, CPU, m) { m.impl("adamw8bit_step_", &adamw8bit_step_cpu); }
+TORCH_LIBRARY_IMPL(veragged, CPU, m) {
+  m.impl("adamw8bit_step_", &adamw8bit_step_cpu);
+  m.impl("adamw8bit_multi_step_", &adamw8bit_multi_step_cpu);
+}
 
 }  // namespace veragged::optim

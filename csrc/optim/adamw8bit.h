@@ -38,6 +38,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace veragged::optim {
 
@@ -138,6 +140,69 @@ C10_HOST_DEVICE inline uint8_t quantize(const float* qmap, const Floor& floor_co
   return quantize_scaled(qmap, floor_code, y, x, absmax, zero, keep_sign);
 }
 
+// Checks one tensor's arguments. `index` < 0: the single-tensor op, whose names are "param",
+// "grad", ...; otherwise the multi-tensor op's, "params[index]", "grads[index]", ...
+inline void check_adamw8bit_tensor(const char* op, int64_t index, const at::Tensor& param,
+                                   const at::Tensor& grad, const at::Tensor& m_codes,
+                                   const at::Tensor& v_codes, const at::Tensor& m_absmax,
+                                   const at::Tensor& v_absmax, at::ScalarType dt,
+                                   const at::Device& device, int64_t step, int64_t block_size) {
+  const std::string at_i = index < 0 ? "" : "[" + std::to_string(index) + "]";
+  const char* const plural[] = {"params", "grads", "m_codes", "v_codes", "m_absmax", "v_absmax"};
+  const char* const single[] = {"param", "grad", "m_codes", "v_codes", "m_absmax", "v_absmax"};
+  const char* const* names = index < 0 ? single : plural;
+  TORCH_CHECK_VALUE(step >= 1, op, ": step", (index < 0 ? "" : "s") + at_i, " must be >= 1, got ",
+                    step);
+  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op, ": ",
+                    names[0], at_i, " must be float32, bfloat16 or float16, got ", dt);
+  TORCH_CHECK_VALUE(param.scalar_type() == dt, op, ": ", names[0], at_i, " is ",
+                    param.scalar_type(), " but the first param is ", dt,
+                    " (one launch takes one dtype)");
+  TORCH_CHECK_VALUE(grad.scalar_type() == dt, op, ": ", names[1], at_i, " dtype ",
+                    grad.scalar_type(), " differs from param dtype ", dt);
+  const int64_t n = param.numel();
+  const int64_t blocks = (n + block_size - 1) / block_size;
+  struct Named {
+    const at::Tensor& t;
+    int name;
+    at::ScalarType dtype;
+    int64_t numel;
+  };
+  const Named all[] = {{param, 0, dt, n},
+                       {grad, 1, dt, n},
+                       {m_codes, 2, at::kByte, n},
+                       {v_codes, 3, at::kByte, n},
+                       {m_absmax, 4, at::kFloat, blocks},
+                       {v_absmax, 5, at::kFloat, blocks}};
+  for (const Named& a : all) {
+    const char* name = names[a.name];
+    TORCH_CHECK_VALUE(a.t.scalar_type() == a.dtype, op, ": ", name, at_i, " must be ", a.dtype,
+                      ", got ", a.t.scalar_type());
+    TORCH_CHECK_VALUE(a.t.numel() == a.numel, op, ": ", name, at_i, " must have ", a.numel,
+                      " elements (param has ", n, ", block_size ", block_size, "), got ",
+                      a.t.numel());
+    TORCH_CHECK_VALUE(a.t.is_contiguous(), op, ": ", name, at_i, " must be contiguous");
+    TORCH_CHECK_VALUE(a.t.device() == device, op, ": ", name, at_i, " is on ", a.t.device(),
+                      " but param is on ", device);
+  }
+}
+
+inline void check_qmaps(const char* op, const at::Tensor& qmap_signed,
+                        const at::Tensor& qmap_unsigned, const at::Device& device) {
+  const at::Tensor* maps[] = {&qmap_signed, &qmap_unsigned};
+  const char* names[] = {"qmap_signed", "qmap_unsigned"};
+  for (int i = 0; i < 2; ++i) {
+    const at::Tensor& q = *maps[i];
+    TORCH_CHECK_VALUE(q.scalar_type() == at::kFloat, op, ": ", names[i], " must be Float, got ",
+                      q.scalar_type());
+    TORCH_CHECK_VALUE(q.numel() == kQmapSize, op, ": ", names[i], " must have ", kQmapSize,
+                      " elements, got ", q.numel());
+    TORCH_CHECK_VALUE(q.is_contiguous(), op, ": ", names[i], " must be contiguous");
+    TORCH_CHECK_VALUE(q.device() == device, op, ": ", names[i], " is on ", q.device(),
+                      " but param is on ", device);
+  }
+}
+
 inline void check_adamw8bit_args(const at::Tensor& param, const at::Tensor& grad,
                                  const at::Tensor& m_codes, const at::Tensor& v_codes,
                                  const at::Tensor& m_absmax, const at::Tensor& v_absmax,
@@ -145,38 +210,67 @@ inline void check_adamw8bit_args(const at::Tensor& param, const at::Tensor& grad
                                  int64_t step, int64_t block_size) {
   const char* op = "adamw8bit_step_";
   TORCH_CHECK_VALUE(block_size > 0, op, ": block_size must be > 0, got ", block_size);
-  TORCH_CHECK_VALUE(step >= 1, op, ": step must be >= 1, got ", step);
-  const auto dt = param.scalar_type();
-  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op,
-                    ": param must be float32, bfloat16 or float16, got ", dt);
-  TORCH_CHECK_VALUE(grad.scalar_type() == dt, op, ": grad dtype ", grad.scalar_type(),
-                    " differs from param dtype ", dt);
-  const int64_t n = param.numel();
-  const int64_t blocks = (n + block_size - 1) / block_size;
-  struct Named {
-    const at::Tensor& t;
-    const char* name;
-    at::ScalarType dtype;
-    int64_t numel;
-  };
-  const Named all[] = {{param, "param", dt, n},
-                       {grad, "grad", dt, n},
-                       {m_codes, "m_codes", at::kByte, n},
-                       {v_codes, "v_codes", at::kByte, n},
-                       {m_absmax, "m_absmax", at::kFloat, blocks},
-                       {v_absmax, "v_absmax", at::kFloat, blocks},
-                       {qmap_signed, "qmap_signed", at::kFloat, kQmapSize},
-                       {qmap_unsigned, "qmap_unsigned", at::kFloat, kQmapSize}};
-  for (const Named& a : all) {
-    TORCH_CHECK_VALUE(a.t.scalar_type() == a.dtype, op, ": ", a.name, " must be ", a.dtype,
-                      ", got ", a.t.scalar_type());
-    TORCH_CHECK_VALUE(a.t.numel() == a.numel, op, ": ", a.name, " must have ", a.numel,
-                      " elements (param has ", n, ", block_size ", block_size, "), got ",
-                      a.t.numel());
-    TORCH_CHECK_VALUE(a.t.is_contiguous(), op, ": ", a.name, " must be contiguous");
-    TORCH_CHECK_VALUE(a.t.device() == param.device(), op, ": ", a.name, " is on ", a.t.device(),
-                      " but param is on ", param.device());
+  check_adamw8bit_tensor(op, -1, param, grad, m_codes, v_codes, m_absmax, v_absmax,
+                         param.scalar_type(), param.device(), step, block_size);
+  check_qmaps(op, qmap_signed, qmap_unsigned, param.device());
+}
+
+// [Note: AdamW8bit multi-tensor launch]
+// `adamw8bit_multi_step_` updates a list of shards (one optimizer param group and dtype: every
+// 8-bit parameter of a DBuffer group) in one launch. Each tensor keeps its own quantisation
+// blocks, counted from its own start ([Note: AdamW8bit on RaggedShard]); the launch numbers the
+// blocks of all tensors consecutively (tensor t owns blocks [first_block, first_block + blocks))
+// and each worker (a CPU task, a CUDA thread block) runs exactly the single-tensor op's code on
+// the blocks it is given, with that tensor's scalars (its own step count). A block's result
+// depends only on that block, so the results are bitwise those of one call per tensor.
+struct AdamW8bitTensor {
+  void* p;  // scalar_t* of the launch's dtype
+  const void* g;
+  uint8_t* mc;
+  uint8_t* vc;
+  float* m_abs;
+  float* v_abs;
+  int64_t n;            // elements
+  int64_t first_block;  // in the launch's block numbering
+  AdamW8bitScalars s;
+};
+
+// Checks every list and returns the descriptors of the non-empty tensors (and the total block
+// count in `total_blocks`). Raises ValueError naming the list, the index and the values.
+inline std::vector<AdamW8bitTensor> adamw8bit_descriptors(
+    at::TensorList params, at::TensorList grads, at::TensorList m_codes, at::TensorList v_codes,
+    at::TensorList m_absmax, at::TensorList v_absmax, const at::Tensor& qmap_signed,
+    const at::Tensor& qmap_unsigned, double lr, double beta1, double beta2, double eps,
+    double weight_decay, c10::IntArrayRef steps, int64_t block_size, int64_t& total_blocks) {
+  const char* op = "adamw8bit_multi_step_";
+  TORCH_CHECK_VALUE(block_size > 0, op, ": block_size must be > 0, got ", block_size);
+  const size_t count = params.size();
+  const size_t sizes[] = {grads.size(), m_codes.size(), v_codes.size(),
+                          m_absmax.size(), v_absmax.size(), steps.size()};
+  const char* names[] = {"grads", "m_codes", "v_codes", "m_absmax", "v_absmax", "steps"};
+  for (int i = 0; i < 6; ++i)
+    TORCH_CHECK_VALUE(sizes[i] == count, op, ": ", names[i], " has ", sizes[i],
+                      " entries but params has ", count);
+  std::vector<AdamW8bitTensor> out;
+  total_blocks = 0;
+  if (count == 0) return out;
+  const at::ScalarType dt = params[0].scalar_type();
+  const at::Device device = params[0].device();
+  check_qmaps(op, qmap_signed, qmap_unsigned, device);
+  out.reserve(count);
+  for (size_t i = 0; i < count; ++i) {
+    check_adamw8bit_tensor(op, static_cast<int64_t>(i), params[i], grads[i], m_codes[i],
+                           v_codes[i], m_absmax[i], v_absmax[i], dt, device, steps[i],
+                           block_size);
+    const int64_t n = params[i].numel();
+    if (n == 0) continue;
+    out.push_back({params[i].data_ptr(), grads[i].const_data_ptr(),
+                   m_codes[i].data_ptr<uint8_t>(), v_codes[i].data_ptr<uint8_t>(),
+                   m_absmax[i].data_ptr<float>(), v_absmax[i].data_ptr<float>(), n, total_blocks,
+                   make_scalars(lr, beta1, beta2, eps, weight_decay, steps[i])});
+    total_blocks += (n + block_size - 1) / block_size;
   }
+  return out;
 }
 
 // The map's code of 0.0 (host side; the CUDA kernel finds it in shared memory).

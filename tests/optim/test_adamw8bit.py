@@ -7,14 +7,16 @@ The sharded tests (world-size invariance, grad=None, DCP) are in test_adamw8bit_
 
 import copy
 import math
+from unittest import mock
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import veragged  # noqa: F401  (loads the ops)
+from veragged.optim import adamw8bit as adamw8bit_module
 from veragged.optim.adamw8bit import AdamW8bit, adamw8bit_granularity
-from veragged.optim.kernels import adamw8bit_step_, dynamic_map
+from veragged.optim.kernels import adamw8bit_multi_step_, adamw8bit_step_, dynamic_map
 
 QS, QU = dynamic_map(True), dynamic_map(False)
 
@@ -161,6 +163,118 @@ def test_fake_kernel_and_opcheck():
             torch.ops.veragged.adamw8bit_step_(*fake)
     torch.library.opcheck(torch.ops.veragged.adamw8bit_step_, args(),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+# ----------------------------------------------------------------------------- multi-tensor
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def _shards(sizes, dtype, bs, seed):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n in sizes:
+        p = (torch.randn(n, generator=gen) * 0.1).to(dtype)
+        g = (torch.randn(n, generator=gen) * 0.01).to(dtype)
+        if n > 10:
+            g[n // 2] = float("nan")
+        out.append([p, g, *_random_state(n, bs, gen)])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_multi_kernel_equals_one_call_per_tensor_bitwise(dtype):
+    """One launch over tensors with partial last blocks, an empty one, one spanning several
+    parallel tasks, each with its own step: bitwise one adamw8bit_step_ per tensor."""
+    bs, sizes = 64, [1000, 0, 64, 5, 1 << 16, 130, 1]
+    steps = [1, 3, 2, 7, 1, 4, 9]
+    one = _shards(sizes, dtype, bs, seed=3)
+    multi = [[t.clone() for t in shard] for shard in one]
+    for shard, step in zip(one, steps):
+        adamw8bit_step_(*shard, QS, QU, step=step, block_size=bs, **HYPER)
+    adamw8bit_multi_step_(*map(list, zip(*multi)), QS, QU, steps=steps, block_size=bs, **HYPER)
+    for i, (a, b) in enumerate(zip(one, multi)):
+        for name, x, y in zip(("p", "g", "mc", "vc", "ma", "va"), a, b):
+            assert name == "g" or torch.equal(x, y), (i, name, (x != y).sum())  # g has NaN
+
+
+def test_multi_kernel_errors_name_the_entry():
+    lists = [list(x) for x in zip(*_shards([300, 40], torch.float32, 128, seed=4))]
+    kw = dict(block_size=128, **HYPER)
+    with pytest.raises(ValueError, match=r"steps has 1 entries but params has 2"):
+        adamw8bit_multi_step_(*lists, QS, QU, steps=[1], **kw)
+    with pytest.raises(ValueError, match=r"steps\[1\] must be >= 1, got 0"):
+        adamw8bit_multi_step_(*lists, QS, QU, steps=[1, 0], **kw)
+    bad = [list(x) for x in lists]
+    bad[1][1] = bad[1][1].half()
+    with pytest.raises(ValueError, match=r"grads\[1\] dtype Half differs from param dtype Float"):
+        adamw8bit_multi_step_(*bad, QS, QU, steps=[1, 1], **kw)
+    bad = [list(x) for x in lists]
+    bad[0][1] = bad[0][1].half()  # a bf16/fp16 param among fp32 ones: another launch
+    with pytest.raises(ValueError, match=r"params\[1\] is Half but the first param is Float"):
+        adamw8bit_multi_step_(*bad, QS, QU, steps=[1, 1], **kw)
+    bad = [list(x) for x in lists]
+    bad[4][0] = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"m_absmax\[0\] must have 3 elements"):
+        adamw8bit_multi_step_(*bad, QS, QU, steps=[1, 1], **kw)
+    args = lambda: (*[list(x) for x in lists], QS, QU, 1e-3, 0.9, 0.999, 1e-8, 0.01, [1, 2],
+                    128)
+    with FakeTensorMode() as mode:
+        fake = [[mode.from_tensor(t) for t in a] if isinstance(a, list) and a
+                and isinstance(a[0], torch.Tensor) else
+                (mode.from_tensor(a) if isinstance(a, torch.Tensor) else a) for a in args()]
+        torch.ops.veragged.adamw8bit_multi_step_(*fake)
+        fake[13] = [1, 0]
+        with pytest.raises(ValueError, match=r"steps\[1\] must be >= 1, got 0"):
+            torch.ops.veragged.adamw8bit_multi_step_(*fake)
+    torch.library.opcheck(torch.ops.veragged.adamw8bit_multi_step_, args(),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def _per_param(params, grads, m_codes, v_codes, m_absmax, v_absmax, qs, qu, *, steps, **kw):
+    """The previous per-parameter path: one adamw8bit_step_ per shard."""
+    for p, g, mc, vc, ma, va, step in zip(params, grads, m_codes, v_codes, m_absmax, v_absmax,
+                                          steps):
+        adamw8bit_step_(p, g, mc, vc, ma, va, qs, qu, step=step, **kw)
+
+
+def test_step_launches_once_per_group_and_dtype():
+    """Group 0: three fp32 8-bit params (one non-contiguous), two bf16 ones, a small fp32-state
+    one; group 1: two fp32 8-bit params. Every step is 3 launches (2 + 1), with the results
+    of the per-parameter path bitwise; a parameter without a gradient is left out."""
+    torch.manual_seed(5)
+    shapes = [[(64, 80), (80, 64), (5000,), (96, 64), (4097,), (10,)], [(128, 33), (4100,)]]
+    dtypes = [[torch.float32] * 3 + [torch.bfloat16] * 2 + [torch.float32], [torch.float32] * 2]
+    ps = [[torch.nn.Parameter(torch.randn(s).to(d)) for s, d in zip(ss, ds)]
+          for ss, ds in zip(shapes, dtypes)]
+    ps[0][1] = torch.nn.Parameter(torch.randn(64, 80).t())  # non-contiguous
+    qs = [[torch.nn.Parameter(p.detach().clone()) for p in group] for group in ps]
+    kw = dict(lr=1e-2, weight_decay=0.1, block_size=128)
+    opt = AdamW8bit([{"params": g} for g in ps], **kw)
+    ref = AdamW8bit([{"params": g} for g in qs], **kw)
+    launches = []
+
+    def counting(params, *args, **kwargs):
+        launches.append((len(params), params[0].dtype))
+        adamw8bit_multi_step_(params, *args, **kwargs)
+
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        for a, b in zip(sum(ps, []), sum(qs, [])):
+            a.grad = torch.randn(a.shape, generator=gen).to(a.dtype)
+            b.grad = a.grad.clone()
+        if step == 1:
+            ps[0][0].grad = qs[0][0].grad = None
+        with mock.patch.object(adamw8bit_module, "adamw8bit_multi_step_", counting):
+            opt.step()
+        with mock.patch.object(adamw8bit_module, "adamw8bit_multi_step_", _per_param):
+            ref.step()
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert launches == [(3, f32), (2, bf16), (2, f32), (2, f32), (2, bf16), (2, f32),
+                        (3, f32), (2, bf16), (2, f32)], launches
+    for a, b in zip(sum(ps, []), sum(qs, [])):
+        assert torch.equal(a, b)
+        for key, value in opt.state[a].items():
+            assert torch.equal(value, ref.state[b][key]), key
 
 
 # ----------------------------------------------------------------------------- accuracy

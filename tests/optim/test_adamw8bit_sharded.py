@@ -6,6 +6,7 @@ from a seed and each rank keeps its shard of it (a real backward would sum the r
 gradients in a world-size dependent order and so differ in the last bits).
 """
 
+from unittest import mock
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor, Shard
 
 import veragged
+from veragged.optim import adamw8bit as adamw8bit_module
 from veragged.optim.adamw8bit import AdamW8bit, adamw8bit_granularity
 from veragged.testing import get_mesh, run_on_ranks
 
@@ -95,19 +97,29 @@ def _snapshot(model, opt) -> dict:
 
 
 def _train(world: int, steps=STEPS, drop_rank=None, drop=None):
-    """World 1: one process, plain tensors (`drop` zeroes the dropped ranges of the gradient)."""
+    """World 1: one process, plain tensors (`drop` zeroes the dropped ranges of the gradient).
+    Gradients dropped by hand on one rank: the ranks agree over the mesh ("mesh"). Returns
+    the snapshot, the dropped ranges and the 8-bit kernel launches per step."""
     model = _model(world)
-    opt = AdamW8bit(model.parameters(), **KW)
-    dropped = {}
+    opt = AdamW8bit(model.parameters(), **KW, grad_agreement="mesh")
+    dropped, launches = {}, []
     for step in range(steps):
         if world == 1:
             for fqn, p in model.named_parameters():
                 p.grad = _grad(fqn, p.shape, step, drop)
         else:
             dropped.update(_set_grads(model, step, drop_rank))
-        opt.step()
+        launches.append(0)
+        real = adamw8bit_module.adamw8bit_multi_step_
+
+        def counting(*args, **kwargs):
+            launches[-1] += 1
+            real(*args, **kwargs)
+
+        with mock.patch.object(adamw8bit_module, "adamw8bit_multi_step_", counting):
+            opt.step()
         opt.zero_grad()
-    return _snapshot(model, opt), dropped
+    return _snapshot(model, opt), dropped, launches
 
 
 def _assert_same(a: dict, b: dict):
@@ -121,17 +133,20 @@ def _state_kinds(snapshot):
 
 
 def test_world_size_invariance():
-    ref, _ = _train(1)
-    assert _state_kinds(ref) == {"a.weight", "b.weight", "odd"}
+    """Bitwise the single process on 2 and 4 ranks, with one 8-bit launch per step for the
+    three fully_shard groups' 8-bit parameters (one optimizer param group, one dtype)."""
+    ref, _, launches = _train(1)
+    assert _state_kinds(ref) == {"a.weight", "b.weight", "odd"} and launches == [1] * STEPS
     for world in (2, 4):
-        got = run_on_ranks(_train, world, args=(world,), timeout=120)[0][0]
-        _assert_same(ref, got)
+        for got, _, launches in run_on_ranks(_train, world, args=(world,), timeout=120):
+            _assert_same(ref, got)
+            assert launches == [1] * STEPS, launches
 
 
 def test_grad_none_on_one_rank():
-    got, dropped = run_on_ranks(_train, 2, args=(2, STEPS, 1), timeout=120)[0]
+    got, dropped, _ = run_on_ranks(_train, 2, args=(2, STEPS, 1), timeout=120)[0]
     assert dropped and any(hi > lo for ranges in dropped.values() for lo, hi in ranges)
-    ref, _ = _train(1, drop=dropped)
+    ref, _, _ = _train(1, drop=dropped)
     _assert_same(ref, got)
 
 
@@ -183,5 +198,5 @@ def test_dcp_save_4_resume_2(tmp_path):
     run_on_ranks(_save, 4, args=(path,), timeout=120)
     got, kinds = run_on_ranks(_resume, 2, args=(path,), timeout=120)[0]
     assert kinds["exp_avg_codes"] == torch.uint8 and kinds["exp_avg_absmax"] == torch.float32
-    ref, _ = _train(1)  # uninterrupted, STEPS steps
+    ref, _, _ = _train(1)  # uninterrupted, STEPS steps
     _assert_same(ref, got)

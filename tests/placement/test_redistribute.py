@@ -6,6 +6,9 @@ Each test runs one worker on 4 real processes and checks many layouts inside it 
 dominates the cost). Every comparison with the single-process tensor is bit-exact.
 """
 
+import contextlib
+from unittest import mock
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -208,7 +211,24 @@ def _collective_counts():
     rep = DTensor.from_local(full, mesh, [Replicate()])
     partial = DTensor.from_local(full, mesh, [Partial()])
     s0 = torch.distributed.tensor.distribute_tensor(full, mesh, [Shard(0)])
+    rooted = veragged.distribute_tensor(full, mesh, [q])
+    gathers = {
+        "skewed_to_replicate": lambda: dt.full_tensor(),
+        "root_to_replicate": lambda: rooted.full_tensor(),
+        "from_partial": lambda: veragged.redistribute(partial, mesh, [p]),
+        "partial_to_root": lambda: veragged.redistribute(partial, mesh, [q]),
+    }
+    for name, fn in gathers.items():  # the results are right
+        got = fn()
+        if "partial" in name:  # a sum of 4 ranks' values: equal up to rounding
+            want = _expected_local(full * WORLD, got.placements[0], dist.get_rank())
+            assert torch.allclose(got.to_local(), want, rtol=0, atol=1e-5), name
+        else:
+            assert torch.equal(got, full), name
     return {
+        "sends": {name: _send_sizes(fn) for name, fn in gathers.items()},
+        "root_to_replicate": _counts(gathers["root_to_replicate"]),
+        "partial_to_root": _counts(gathers["partial_to_root"]),
         "distribute": _counts(lambda: veragged.distribute_tensor(full, mesh, [p])),
         "to_replicate": _counts(lambda: even.full_tensor()),
         "skewed_to_replicate": _counts(lambda: dt.full_tensor()),
@@ -222,15 +242,43 @@ def _collective_counts():
 
 def test_each_redistribution_is_one_collective():
     for res in run_on_ranks(_collective_counts, WORLD, timeout=120):
+        sends = res.pop("sends")
         assert res["distribute"] == {"alltoall_base_": 1}, res
         assert res["to_replicate"] == {"_allgather_base_": 1}, res
-        # (5, 0, 9, 4): padding to 9 rows would double the bytes; exact pieces, one all-to-all
-        assert res["skewed_to_replicate"] == {"alltoall_base_": 1}, res
+        # (5, 0, 9, 4): an all-gather of pieces padded to 9 rows (not an all-to-all, whose send
+        # buffer would hold the local piece once per rank)
+        assert res["skewed_to_replicate"] == {"_allgather_base_": 1}, res
+        assert res["root_to_replicate"] == {"broadcast_": 1}, res  # everything on one rank
         assert res["to_root"] == {"alltoall_base_": 1}, res
         assert res["from_replicate"] == {}, res
         assert res["from_partial"] == {"_reduce_scatter_base_": 1}, res
+        assert res["partial_to_root"] == {"reduce_": 1}, res
         assert res["to_shard0"] == {"alltoall_base_": 1}, res
         assert res["from_shard0"] == {"alltoall_base_": 1}, res
+        # send buffers: one padded piece (9 rows of 5), the tensor (90), the tensor padded to
+        # 4 x 9 rows, the tensor; none is a multiple of the world size
+        assert sends == {"skewed_to_replicate": [45], "root_to_replicate": [90],
+                         "from_partial": [180], "partial_to_root": [90]}, sends
+
+
+def _send_sizes(fn):
+    """The numel of the tensor each collective of `fn` sends (its input)."""
+    sizes = []
+    patches = []
+    for name, arg in (("all_gather_into_tensor", 1), ("broadcast", 0),
+                      ("reduce_scatter_tensor", 1), ("reduce", 0), ("all_to_all_single", 1)):
+        real = getattr(dist, name)
+
+        def wrapped(*args, _real=real, _arg=arg, **kwargs):
+            sizes.append(args[_arg].numel())
+            return _real(*args, **kwargs)
+
+        patches.append(mock.patch.object(dist, name, wrapped))
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        fn()
+    return sizes
 
 
 def _async_forms():

@@ -43,9 +43,12 @@ def presence(step: int):
 
 
 def _optimizer(name, model):
+    # gradients dropped by hand on some ranks: the ranks agree over the mesh
     if name == "muon":
-        return veragged.optim.Muon(muon_param_groups(model), lr=0.02, weight_decay=0.1)
-    return veragged.optim.AdamW8bit(model.parameters(), lr=1e-3, weight_decay=0.1)
+        return veragged.optim.Muon(muon_param_groups(model), lr=0.02, weight_decay=0.1,
+                                   grad_agreement="mesh")
+    return veragged.optim.AdamW8bit(model.parameters(), lr=1e-3, weight_decay=0.1,
+                                    grad_agreement="mesh")
 
 
 def _granularity(name):

@@ -1,7 +1,15 @@
 """Optimizers on RaggedShard parameters: distributed Muon and block-wise 8-bit AdamW."""
 
 from veragged.optim.adamw8bit import AdamW8bit, adamw8bit_granularity
+from veragged.optim.common import declare_symmetric_grads
 from veragged.optim.muon import Muon
 from veragged.optim.owners import OwnerPlan, plan_owners
 
-__all__ = ["AdamW8bit", "Muon", "OwnerPlan", "adamw8bit_granularity", "plan_owners"]
+__all__ = [
+    "AdamW8bit",
+    "Muon",
+    "OwnerPlan",
+    "adamw8bit_granularity",
+    "declare_symmetric_grads",
+    "plan_owners",
+]

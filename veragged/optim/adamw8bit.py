@@ -23,8 +23,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from veragged.optim.common import grad_mask, local, local_grads
-from veragged.optim.kernels import adamw8bit_step_, dynamic_map
+from veragged.optim.common import GradPresence, check_grad_agreement, local, local_grads
+from veragged.optim.kernels import adamw8bit_multi_step_, dynamic_map
 from veragged.placement.api import from_local
 from veragged.placement.layout import ragged_mesh_dim
 from veragged.placement.ragged_shard import RaggedShard, StridedRaggedShard
@@ -93,7 +93,12 @@ class AdamW8bit(torch.optim.Optimizer):
     codes and fp32 moments with the parameter's placements, absmax 1-D of global shape
     (num_blocks,) with `RaggedShard((0,), blocks_per_rank)` on the sharded mesh dim, so
     `torch.distributed.checkpoint` saves them and reloads them on any world size. Gradients
-    missing on some ranks are agreed on first ([Note: symmetric grad presence]).
+    missing on some ranks are agreed on first, as `grad_agreement` says ([Note: symmetric grad
+    presence]).
+
+    One step launches the 8-bit kernel once per param group, dtype and device, for all its 8-bit
+    parameters ([Note: AdamW8bit multi-tensor launch]): with `veragged.fully_shard`, one launch
+    per DBuffer group and dtype.
     """
 
     def __init__(
@@ -106,7 +111,9 @@ class AdamW8bit(torch.optim.Optimizer):
         *,
         block_size: int = 256,
         min_8bit_size: int = 4096,
+        grad_agreement: str = "auto",
     ):
+        self.grad_agreement = check_grad_agreement("AdamW8bit", grad_agreement)
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -160,15 +167,22 @@ class AdamW8bit(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = [p for group in self.param_groups for p in group["params"]]
-        grads = iter(local_grads(params, grad_mask(params)))
+        presence = GradPresence(params, self.grad_agreement)
+        grads = iter(local_grads(params, presence.verdicts()))
         for group in self.param_groups:
+            launches: dict[tuple, _Launch] = {}  # (dtype, device) -> the 8-bit shards
             for p in group["params"]:
                 g = next(grads)
                 if g is not None:
-                    self._step_param(p, g, group, self.state[p])
+                    self._step_param(p, g, group, self.state[p], launches)
+            for launch in launches.values():
+                launch.run(self._maps(launch.device), group)
+        presence.finish()
         return loss
 
-    def _step_param(self, p: torch.Tensor, g: torch.Tensor, group: dict, state: dict) -> None:
+    def _step_param(self, p: torch.Tensor, g: torch.Tensor, group: dict, state: dict,
+                    launches: dict) -> None:
+        """Steps an fp32-state parameter now; adds an 8-bit one to its launch."""
         if g.is_sparse:
             raise ValueError("AdamW8bit does not support sparse gradients")
         loc = local(p)
@@ -179,15 +193,11 @@ class AdamW8bit(torch.optim.Optimizer):
         lr, (beta1, beta2) = group["lr"], group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
         if "exp_avg_codes" in state:
-            work = loc if loc.is_contiguous() else loc.contiguous()
-            qs, qu = self._maps(loc.device)
-            adamw8bit_step_(
-                work, g.contiguous(),
-                local(state["exp_avg_codes"]), local(state["exp_avg_sq_codes"]),
-                local(state["exp_avg_absmax"]), local(state["exp_avg_sq_absmax"]),
-                qs, qu, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
-                step=int(step), block_size=group["block_size"],
-            )
+            key = (loc.dtype, loc.device)
+            if key not in launches:
+                launches[key] = _Launch(loc.device)
+            launches[key].add(loc, g, state, int(step))
+            return
         else:
             # torch's _single_tensor_adam, op for op (so fp32 parameters match it bitwise).
             work = loc if loc.dtype == torch.float32 else loc.float()
@@ -244,6 +254,38 @@ class AdamW8bit(torch.optim.Optimizer):
                         f"{want}, got {value.dtype}"
                     )
                 state[key] = value
+
+
+class _Launch:
+    """The 8-bit shards of one param group, dtype and device: one kernel launch."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.params: list[torch.Tensor] = []  # contiguous (copies of non-contiguous shards)
+        self.copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.grads: list[torch.Tensor] = []
+        self.state: tuple[list[torch.Tensor], ...] = ([], [], [], [])
+        self.steps: list[int] = []
+
+    def add(self, loc: torch.Tensor, g: torch.Tensor, state: dict, step: int) -> None:
+        work = loc if loc.is_contiguous() else loc.contiguous()
+        if work is not loc:
+            self.copy_back.append((loc, work))
+        self.params.append(work)
+        self.grads.append(g.contiguous())
+        for out, key in zip(self.state, _8BIT_KEYS):
+            out.append(local(state[key]))
+        self.steps.append(step)
+
+    def run(self, maps: tuple[torch.Tensor, torch.Tensor], group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        adamw8bit_multi_step_(
+            self.params, self.grads, *self.state, *maps, lr=group["lr"], beta1=beta1,
+            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], steps=self.steps,
+            block_size=group["block_size"],
+        )
+        for loc, work in self.copy_back:
+            loc.copy_(work)
 
 
 def _check_int(name: str, value, low: int) -> None:

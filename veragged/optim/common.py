@@ -1,27 +1,54 @@
-"""What both optimizers share: local views of (DTensor) parameters and the symmetric grad mask.
+"""What both optimizers share: local views of (DTensor) parameters and the grad-presence agreement.
 
 [Note: symmetric grad presence]
 A sharded parameter can have a gradient on some ranks and `grad=None` on others (conditional
 compute, or a user dropping a gradient). A distributed optimizer must still issue the same
-collectives in the same order on every rank, or it hangs or pairs unrelated collectives. So at
-the top of `step()` every rank contributes one byte per parameter ("I have a gradient") to a
-single MAX all-reduce over the world group; then, on every rank:
+collectives in the same order on every rank, or it hangs or pairs unrelated collectives, and the
+shards of one parameter must take the same step. So every rank of a parameter's device mesh
+reaches the same verdict:
 - a parameter no rank has a gradient for is skipped (no state change, no collective);
 - a parameter some rank has a gradient for is stepped everywhere, a rank without one using zeros
   for its shard (exactly what a single process would see after summing the ranks' gradients).
-Parameters that are not DTensors (one process, or DDP-style replicas) need no agreement and take
-their local presence as is.
+
+How the ranks agree (`GradPresence`, the optimizers' `grad_agreement`, default "auto"):
+- Plain tensors (one process, DDP-style replicas): each rank's own verdict, no communication.
+- DTensors declared symmetric (`declare_symmetric_grads`): their own verdict, no communication.
+  This is what `veragged.fully_shard` guarantees: every rank holding part of a parameter reads
+  the same grad/None verdict from the reduce-scatter ([Note: unreached parameters]); a rank
+  holding none of it answers from its own backward, which agrees whenever the ranks reached the
+  same parameters (torch's condition), and with `set_reduce_scatter_unused_params(True)` every
+  trainable parameter has a gradient everywhere. Data-dependent routing (MoE experts that some
+  ranks' batches skip) needs one of the two, or `grad_agreement="mesh"`: with Muon a rank
+  holding nothing of a matrix must still know whether it travels. (Not wired yet: fully_shard
+  does not declare its parameters, which one `declare_symmetric_grads` call on the sharded
+  parameters a DBuffer makes would do; until then they take the all-reduce below.)
+- Other DTensors (`veragged.distribute_tensor`'d or torch's fully_shard parameters, gradients
+  set by hand): one MAX all-reduce of one byte per parameter, all of a mesh's parameters in one
+  tensor, over the groups of the parameters' own device mesh (one per mesh dim of size > 1,
+  chained, so under HSDP the MAX covers replicas and shards), never over ranks outside that
+  mesh: pipeline stages, which hold different parameters on different meshes, never meet in a
+  collective. The all-reduce is launched asynchronously and its result is read (on a GPU, a
+  host sync) only by a rank that lacks a gradient for one of those parameters: a rank that has
+  one already knows the MAX is 1. Every rank waits for it at the end of the step (on NCCL a
+  stream wait).
+`grad_agreement="mesh"` agrees over the mesh for every DTensor, declared or not (gradients
+dropped by hand on fully_shard parameters); `"local"` takes every rank's own verdict with no
+communication at all: the caller guarantees the symmetry (if it does not hold, shards of one
+parameter step differently and Muon's exchange may hang).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-__all__ = ["local", "grad_mask", "local_grads"]
+__all__ = ["GRAD_AGREEMENTS", "GradPresence", "declare_symmetric_grads", "local", "local_grads"]
+
+GRAD_AGREEMENTS = ("auto", "mesh", "local")
+_SYMMETRIC = "_veragged_symmetric_grads"  # attribute set by `declare_symmetric_grads`
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -29,23 +56,84 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def grad_mask(params: Sequence[torch.Tensor]) -> list[bool]:
-    """Per parameter, whether any rank has a gradient ([Note: symmetric grad presence]).
+def declare_symmetric_grads(params: Iterable[torch.Tensor]) -> None:
+    """Declare that every rank of each parameter's device mesh always gets the same grad/None
+    verdict for it (as `veragged.fully_shard`'s backward gives): with `grad_agreement="auto"`
+    the optimizers then take each rank's own verdict without communicating
+    ([Note: symmetric grad presence]). The mark is an attribute of the parameter object."""
+    for p in params:
+        setattr(p, _SYMMETRIC, True)
 
-    One MAX all-reduce over the world when any parameter is a DTensor, none otherwise; every
-    rank must call it with its parameters in the same order.
+
+def check_grad_agreement(owner: str, value: str) -> str:
+    if value not in GRAD_AGREEMENTS:
+        raise ValueError(f"{owner}: grad_agreement must be one of {GRAD_AGREEMENTS}, got {value!r}")
+    return value
+
+
+def _mesh_device(mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+class GradPresence:
+    """Per parameter, whether some rank of its mesh has a gradient ([Note: symmetric grad
+    presence]). Construction launches the agreement's all-reduces (every rank of a mesh must
+    construct it with that mesh's parameters in the same order); `verdicts()` returns the
+    answers, waiting only where this rank lacks a gradient; `finish()` waits for what is left.
     """
-    present = [p.grad is not None for p in params]
-    if not any(isinstance(p, DTensor) for p in params) or not dist.is_initialized():
-        return present
-    if dist.get_world_size() == 1:
-        return present
-    device = next(local(p).device for p in params)
-    if device.type == "cuda" and dist.get_backend() != "nccl":
-        device = torch.device("cpu")
-    mask = torch.tensor(present, dtype=torch.uint8, device=device)
-    dist.all_reduce(mask, op=dist.ReduceOp.MAX)
-    return [bool(x) for x in mask.tolist()]
+
+    def __init__(self, params: Sequence[torch.Tensor], agreement: str = "auto"):
+        check_grad_agreement("GradPresence", agreement)
+        self._verdicts = [p.grad is not None for p in params]
+        self._pending: list[tuple[list[int], torch.Tensor, object]] = []
+        self._unread: list[int] = []  # indices into _pending whose result this rank needs
+        if agreement == "local":
+            return
+        buckets: dict[tuple, tuple] = {}  # the mesh's groups -> (mesh, dims, param indices)
+        for i, p in enumerate(params):
+            if not isinstance(p, DTensor):
+                continue
+            if agreement == "auto" and getattr(p, _SYMMETRIC, False):
+                continue
+            mesh = p.device_mesh
+            dims = tuple(d for d in range(mesh.ndim) if mesh.size(d) > 1)
+            if not dims:
+                continue
+            groups = tuple(mesh.get_group(d) for d in dims)
+            buckets.setdefault(groups, (mesh, dims, []))[2].append(i)
+        for groups, (mesh, _, indices) in buckets.items():
+            flags = [self._verdicts[i] for i in indices]
+            mask = torch.tensor(flags, dtype=torch.uint8)
+            device = _mesh_device(mesh)
+            if device.type != "cpu":  # pinned, so the copy does not wait for the device
+                mask = mask.pin_memory().to(device, non_blocking=True)
+            work = None
+            for group in groups:  # MAX over dim 0, then over dim 1 of that, ...
+                if work is not None:
+                    work.wait()
+                work = dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            if not all(flags):
+                self._unread.append(len(self._pending))
+            self._pending.append((indices, mask, work))
+
+    def verdicts(self) -> list[bool]:
+        """Per parameter, True if some rank of its mesh has a gradient. Reads the all-reduce
+        (a host sync on a GPU) only for meshes where this rank lacks a gradient."""
+        for k in self._unread:
+            indices, mask, work = self._pending[k]
+            work.wait()
+            for i, flag in zip(indices, mask.tolist()):
+                self._verdicts[i] = bool(flag)
+        self._unread = []
+        return self._verdicts
+
+    def finish(self) -> None:
+        """Wait for every launched all-reduce (on NCCL: the current stream waits, not the host)."""
+        for _, _, work in self._pending:
+            work.wait()
+        self._pending = []
 
 
 def local_grads(params: Sequence[torch.Tensor], mask: Sequence[bool]) -> list[torch.Tensor | None]:

@@ -13,13 +13,20 @@ torch's Shard(0), or everything on one rank for a plain tensor). Under that view
 Both are launched asynchronously, so the next micro-group's gather and the previous one's scatter
 are on the wire while an owner runs Newton-Schulz. The issue order (gather 0, gather 1, scatter
 0, gather 2, scatter 1, ...) depends only on the plan, which every rank computes identically.
+Packing has no Python loop over ranks: split sizes and the piece orders of a micro-group come
+from numpy over the (matrix x rank) size table once per micro-group (cached), and each buffer is
+one `torch.cat` of views (`split` pieces picked in the precomputed order). Every element is sent
+once: send buffers hold this rank's pieces (gather) or its owned updates (scatter), never
+`world` copies.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
@@ -85,6 +92,36 @@ class _Inflight:
         return self._finish()
 
 
+def _pick(seq: Sequence, order: Sequence[int]) -> list:
+    """`[seq[k] for k in order]`, gathered in C (operator.itemgetter)."""
+    if len(order) == 1:
+        return [seq[order[0]]]
+    return list(itemgetter(*order)(seq)) if order else []
+
+
+@dataclass(frozen=True)
+class _Moves:
+    """What one micro-group's gather and scatter send and receive on this rank; every list is
+    computed once per micro-group from the plan with numpy ([Note: Muon matrix exchange])."""
+
+    mine: tuple[int, ...]  # the items this rank owns, in item order
+    by_owner: tuple[int, ...]  # the items, stably sorted by owner
+    piece_splits: list[int]  # this rank's piece of each item in by_owner order
+    numels: list[int]  # full numel of each of `mine`
+    # gather: per rank, what this rank sends (its pieces, by owner) and receives (its matrices'
+    # pieces, by source); the receive buffer cut into pieces (source-major) and the order that
+    # makes it matrix-major
+    gather_send: list[int]
+    gather_recv: list[int]
+    gather_pieces: list[int]
+    gather_order: list[int]
+    # scatter: per rank, the update slices this rank sends and the pieces it receives; each of
+    # its updates cut at the ranks' bounds (matrix-major) and the order that makes them
+    # destination-major
+    scatter_cuts: list[list[int]]
+    scatter_order: list[int]
+
+
 class Exchange:
     """Gathers and scatters for the micro-groups of one shard process group.
 
@@ -93,12 +130,57 @@ class Exchange:
         owners: per matrix, the owner's index on this group.
     """
 
+    _CACHE_LIMIT = 1024  # distinct micro-groups kept (grad=None patterns can vary per step)
+
     def __init__(self, group, layouts: Sequence[MatrixLayout], owners: Sequence[int]):
         self.group = group
         self.layouts = layouts
         self.owners = owners
         self.rank = layouts[0].rank
         self.world = layouts[0].world
+        self._owner = np.asarray(owners, dtype=np.int64)
+        # sizes[i, r]: elements of matrix i on rank r
+        self._sizes = np.diff(np.asarray([lay.bounds for lay in layouts], dtype=np.int64), axis=1)
+        self._moves: dict[tuple[int, ...], _Moves] = {}
+
+    def _plan(self, items: Sequence[int]) -> _Moves:
+        key = tuple(items)
+        moves = self._moves.get(key)
+        if moves is not None:
+            return moves
+        world, rank = self.world, self.rank
+        idx = np.asarray(key, dtype=np.int64)
+        own = self._owner[idx]
+        sizes = self._sizes[idx]  # (items, world)
+        mine = idx[own == rank]
+        mine_sizes = self._sizes[mine]  # (mine, world)
+        by_owner = idx[np.argsort(own, kind="stable")]
+        mine_count = len(mine)
+        # gather: pieces arrive source-major (for s: for i in mine); matrix-major is i * 1 + s *
+        # mine_count read in (i, s) order
+        to_matrix_major = (np.arange(world)[None, :] * mine_count
+                           + np.arange(mine_count)[:, None]).reshape(-1)
+        # scatter: cuts are matrix-major (for i in mine: for d); destination-major reads them
+        # in (d, i) order
+        to_dest_major = (np.arange(mine_count)[None, :] * world
+                         + np.arange(world)[:, None]).reshape(-1)
+        moves = _Moves(
+            mine=tuple(mine.tolist()),
+            by_owner=tuple(by_owner.tolist()),
+            piece_splits=self._sizes[by_owner, rank].tolist(),
+            numels=mine_sizes.sum(axis=1).tolist(),
+            gather_send=np.bincount(own, weights=sizes[:, rank], minlength=world)
+            .astype(np.int64).tolist(),
+            gather_recv=mine_sizes.sum(axis=0).tolist() if mine_count else [0] * world,
+            gather_pieces=mine_sizes.T.reshape(-1).tolist(),
+            gather_order=to_matrix_major.tolist(),
+            scatter_cuts=mine_sizes.tolist(),
+            scatter_order=to_dest_major.tolist(),
+        )
+        if len(self._moves) >= self._CACHE_LIMIT:
+            self._moves.clear()
+        self._moves[key] = moves
+        return moves
 
     def _launch(self, send: torch.Tensor, send_splits, recv_splits, finish) -> _Inflight:
         recv = send.new_empty(sum(recv_splits))
@@ -111,29 +193,17 @@ class Exchange:
     def gather(self, items: Sequence[int], pieces: dict[int, torch.Tensor]) -> _Inflight:
         """Send this rank's flat `pieces[i]` of every matrix i in `items` to its owner; the
         result (on `wait()`) maps each matrix this rank owns to its full flat tensor."""
-        parts, send_splits = [], [0] * self.world
-        for o in range(self.world):
-            for i in items:
-                if self.owners[i] == o:
-                    parts.append(pieces[i].reshape(-1))
-                    send_splits[o] += parts[-1].numel()
-        mine = [i for i in items if self.owners[i] == self.rank]
-        recv_splits = [sum(self.layouts[i].size(s) for i in mine) for s in range(self.world)]
+        mv = self._plan(items)
+        parts = [pieces[i].reshape(-1) for i in mv.by_owner]
         send = torch.cat(parts) if len(parts) != 1 else parts[0].contiguous()
 
         def assemble(recv: torch.Tensor) -> dict[int, torch.Tensor]:
-            if len(mine) == 1:  # pieces arrive in rank order, which is flat order
-                return {mine[0]: recv}
-            full = {i: recv.new_empty(self.layouts[i].bounds[-1]) for i in mine}
-            pos = 0
-            for s in range(self.world):
-                for i in mine:
-                    b, n = self.layouts[i].bounds[s], self.layouts[i].size(s)
-                    full[i][b : b + n].copy_(recv[pos : pos + n])
-                    pos += n
-            return full
+            if len(mv.mine) <= 1:  # pieces arrive in rank order, which is flat order
+                return dict(zip(mv.mine, (recv,)))
+            full = torch.cat(_pick(recv.split(mv.gather_pieces), mv.gather_order))
+            return dict(zip(mv.mine, full.split(mv.numels)))
 
-        return self._launch(send, send_splits, recv_splits, assemble)
+        return self._launch(send, mv.gather_send, mv.gather_recv, assemble)
 
     def scatter(
         self, items: Sequence[int], updates: dict[int, torch.Tensor], like: torch.Tensor
@@ -141,25 +211,13 @@ class Exchange:
         """Return each rank its interval of every update this rank owns (`updates[i]`, flat and
         contiguous, of `like`'s dtype and device on every rank); the result (on `wait()`) maps
         every matrix in `items` to this rank's piece."""
-        parts, send_splits = [], [0] * self.world
-        mine = [i for i in items if self.owners[i] == self.rank]
-        for d in range(self.world):
-            for i in mine:
-                b, e = self.layouts[i].bounds[d], self.layouts[i].bounds[d + 1]
-                parts.append(updates[i][b:e])
-                send_splits[d] += e - b
-        recv_splits = [0] * self.world
-        for i in items:
-            recv_splits[self.owners[i]] += self.layouts[i].size(self.rank)
-        send = torch.cat(parts) if parts else like.new_empty(0)
-        return self._launch(send, send_splits, recv_splits, lambda recv: self._split(items, recv))
+        mv = self._plan(items)
+        cuts = [c for i, sizes in zip(mv.mine, mv.scatter_cuts) for c in updates[i].split(sizes)]
+        send = torch.cat(_pick(cuts, mv.scatter_order)) if cuts else like.new_empty(0)
+        send_splits = mv.gather_recv  # per destination d: the sizes of my matrices there
+        recv_splits = mv.gather_send  # per owner o: my pieces of the matrices it owns
 
-    def _split(self, items: Sequence[int], recv: torch.Tensor) -> dict[int, torch.Tensor]:
-        out, pos = {}, 0
-        for o in range(self.world):
-            for i in items:
-                if self.owners[i] == o:
-                    n = self.layouts[i].size(self.rank)
-                    out[i] = recv[pos : pos + n]
-                    pos += n
-        return out
+        def split(recv: torch.Tensor) -> dict[int, torch.Tensor]:
+            return dict(zip(mv.by_owner, recv.split(mv.piece_splits)))
+
+        return self._launch(send, send_splits, recv_splits, split)

@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-__all__ = ["adamw8bit_step_", "dynamic_map"]
+__all__ = ["adamw8bit_multi_step_", "adamw8bit_step_", "dynamic_map"]
 
 QMAP_SIZE = 256
 
@@ -41,47 +41,86 @@ def dynamic_map(signed: bool, device: torch.device | str | None = None) -> torch
     return _dynamic_map_cpu(bool(signed)).to(device=device, copy=True)
 
 
-def _check(param, grad, m_codes, v_codes, m_absmax, v_absmax, qmap_signed, qmap_unsigned,
-           step, block_size) -> None:
-    """The checks of check_adamw8bit_args (csrc/optim/adamw8bit.h), on metadata only."""
-    op = "adamw8bit_step_"
-    if block_size <= 0:
-        raise ValueError(f"{op}: block_size must be > 0, got {block_size}")
+_SINGLE = ("param", "grad", "m_codes", "v_codes", "m_absmax", "v_absmax")
+_PLURAL = ("params", "grads", "m_codes", "v_codes", "m_absmax", "v_absmax")
+
+
+def _check_tensor(op, index, tensors, dtype, device, step, block_size) -> None:
+    """check_adamw8bit_tensor (csrc/optim/adamw8bit.h) on metadata: one tensor's arguments;
+    `index` None names them as the single-tensor op does, else as `params[index]`..."""
+    names = _SINGLE if index is None else _PLURAL
+    at = "" if index is None else f"[{index}]"
     if step < 1:
-        raise ValueError(f"{op}: step must be >= 1, got {step}")
-    if param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"{op}: param must be float32, bfloat16 or float16, got {param.dtype}")
+        raise ValueError(f"{op}: step{'' if index is None else 's'}{at} must be >= 1, got {step}")
+    param = tensors[0]
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{op}: {names[0]}{at} must be float32, bfloat16 or float16, got {dtype}")
+    if param.dtype != dtype:
+        raise ValueError(f"{op}: {names[0]}{at} is {param.dtype} but the first param is {dtype} "
+                         "(one launch takes one dtype)")
+    if tensors[1].dtype != dtype:
+        raise ValueError(f"{op}: {names[1]}{at} dtype {tensors[1].dtype} differs from param "
+                         f"dtype {dtype}")
     n = param.numel()
     blocks = -(-n // block_size)
-    expected = {
-        "param": (param, param.dtype, n),
-        "grad": (grad, param.dtype, n),
-        "m_codes": (m_codes, torch.uint8, n),
-        "v_codes": (v_codes, torch.uint8, n),
-        "m_absmax": (m_absmax, torch.float32, blocks),
-        "v_absmax": (v_absmax, torch.float32, blocks),
-        "qmap_signed": (qmap_signed, torch.float32, QMAP_SIZE),
-        "qmap_unsigned": (qmap_unsigned, torch.float32, QMAP_SIZE),
-    }
-    for name, (t, dtype, numel) in expected.items():
-        if t.dtype != dtype:
-            raise ValueError(f"{op}: {name} must be {dtype}, got {t.dtype}")
+    wants = ((dtype, n), (dtype, n), (torch.uint8, n), (torch.uint8, n),
+             (torch.float32, blocks), (torch.float32, blocks))
+    for name, t, (want, numel) in zip(names, tensors, wants):
+        if t.dtype != want:
+            raise ValueError(f"{op}: {name}{at} must be {want}, got {t.dtype}")
         if t.numel() != numel:
-            raise ValueError(
-                f"{op}: {name} must have {numel} elements (param has {n}, block_size "
-                f"{block_size}), got {t.numel()}"
-            )
+            raise ValueError(f"{op}: {name}{at} must have {numel} elements (param has {n}, "
+                             f"block_size {block_size}), got {t.numel()}")
         if not t.is_contiguous():
+            raise ValueError(f"{op}: {name}{at} must be contiguous")
+        if t.device != device:
+            raise ValueError(f"{op}: {name}{at} is on {t.device} but param is on {device}")
+
+
+def _check_qmaps(op, qmap_signed, qmap_unsigned, device) -> None:
+    for name, q in (("qmap_signed", qmap_signed), ("qmap_unsigned", qmap_unsigned)):
+        if q.dtype != torch.float32:
+            raise ValueError(f"{op}: {name} must be {torch.float32}, got {q.dtype}")
+        if q.numel() != QMAP_SIZE:
+            raise ValueError(f"{op}: {name} must have {QMAP_SIZE} elements, got {q.numel()}")
+        if not q.is_contiguous():
             raise ValueError(f"{op}: {name} must be contiguous")
-        if t.device != param.device:
-            raise ValueError(f"{op}: {name} is on {t.device} but param is on {param.device}")
+        if q.device != device:
+            raise ValueError(f"{op}: {name} is on {q.device} but param is on {device}")
+
+
+def _check_block_size(op, block_size) -> None:
+    if block_size <= 0:
+        raise ValueError(f"{op}: block_size must be > 0, got {block_size}")
 
 
 @torch.library.register_fake("veragged::adamw8bit_step_")
 def _adamw8bit_step_fake(param, grad, m_codes, v_codes, m_absmax, v_absmax, qmap_signed,
                          qmap_unsigned, lr, beta1, beta2, eps, weight_decay, step, block_size):
-    _check(param, grad, m_codes, v_codes, m_absmax, v_absmax, qmap_signed, qmap_unsigned,
-           step, block_size)
+    op = "adamw8bit_step_"
+    _check_block_size(op, block_size)
+    _check_tensor(op, None, (param, grad, m_codes, v_codes, m_absmax, v_absmax), param.dtype,
+                  param.device, step, block_size)
+    _check_qmaps(op, qmap_signed, qmap_unsigned, param.device)
+
+
+@torch.library.register_fake("veragged::adamw8bit_multi_step_")
+def _adamw8bit_multi_step_fake(params, grads, m_codes, v_codes, m_absmax, v_absmax, qmap_signed,
+                               qmap_unsigned, lr, beta1, beta2, eps, weight_decay, steps,
+                               block_size):
+    op = "adamw8bit_multi_step_"
+    _check_block_size(op, block_size)
+    lists = (grads, m_codes, v_codes, m_absmax, v_absmax, steps)
+    for name, values in zip(_PLURAL[1:] + ("steps",), lists):
+        if len(values) != len(params):
+            raise ValueError(f"{op}: {name} has {len(values)} entries but params has "
+                             f"{len(params)}")
+    if not params:
+        return
+    dtype, device = params[0].dtype, params[0].device
+    _check_qmaps(op, qmap_signed, qmap_unsigned, device)
+    for i, tensors in enumerate(zip(params, grads, m_codes, v_codes, m_absmax, v_absmax)):
+        _check_tensor(op, i, tensors, dtype, device, steps[i], block_size)
 
 
 def adamw8bit_step_(
@@ -113,4 +152,35 @@ def adamw8bit_step_(
         param, grad, m_codes, v_codes, m_absmax, v_absmax, qmap_signed, qmap_unsigned,
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), int(step),
         int(block_size),
+    )
+
+
+def adamw8bit_multi_step_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    m_codes: list[torch.Tensor],
+    v_codes: list[torch.Tensor],
+    m_absmax: list[torch.Tensor],
+    v_absmax: list[torch.Tensor],
+    qmap_signed: torch.Tensor,
+    qmap_unsigned: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    steps: list[int],
+    block_size: int,
+) -> None:
+    """`adamw8bit_step_` on every shard of the lists in one kernel launch, all in place.
+
+    Every list holds one entry per shard, as `adamw8bit_step_` takes them; the params share one
+    dtype and device; `steps[i]` is shard i's step number after this update. The results are
+    bitwise those of one `adamw8bit_step_` per shard ([Note: AdamW8bit multi-tensor launch]).
+    """
+    torch.ops.veragged.adamw8bit_multi_step_(
+        params, grads, m_codes, v_codes, m_absmax, v_absmax, qmap_signed, qmap_unsigned,
+        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+        [int(s) for s in steps], int(block_size),
     )

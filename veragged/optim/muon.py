@@ -8,7 +8,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch.optim import Optimizer
 
-from veragged.optim.common import grad_mask, local, local_grads
+from veragged.optim.common import GradPresence, check_grad_agreement, local, local_grads
 from veragged.optim.exchange import Exchange, MatrixLayout, matrix_layout
 from veragged.optim.newton_schulz import DEFAULT_COEFFICIENTS, adjusted_lr, orthogonalize
 from veragged.optim.owners import OwnerPlan, plan_owners
@@ -84,7 +84,8 @@ class Muon(Optimizer):
     `owner_plans` holds the plan per shard group (`ratio` is its max/mean load).
 
     grad=None: see [Note: symmetric grad presence]: a parameter no rank has a gradient for is
-    skipped, one some rank has is stepped everywhere with zeros for missing shards.
+    skipped, one some rank has is stepped everywhere with zeros for missing shards; how the
+    ranks agree is `grad_agreement`'s ("auto", "mesh" or "local").
     """
 
     def __init__(
@@ -106,7 +107,9 @@ class Muon(Optimizer):
         cost: str = "flops",
         alpha: float = 1.0,
         capacity: int | None = None,
+        grad_agreement: str = "auto",
     ):
+        self.grad_agreement = check_grad_agreement("Muon", grad_agreement)
         if owners not in STRATEGIES:
             raise ValueError(f"owners must be one of {STRATEGIES}, got {owners!r}")
         self.ns_dtype, self.owners, self.cost = ns_dtype, owners, cost
@@ -207,8 +210,8 @@ class Muon(Optimizer):
         if self._domains is None:
             self._domains = self._build_domains()
         params = [p for g in self.param_groups for p in g["params"]]
-        mask = grad_mask(params)
-        grads = dict(zip(map(id, params), local_grads(params, mask)))
+        presence = GradPresence(params, self.grad_agreement)
+        grads = dict(zip(map(id, params), local_grads(params, presence.verdicts())))
         updates: dict[int, torch.Tensor] = {}  # id(param) -> local momentum update
         for group in self.param_groups:
             for p in group["params"]:
@@ -224,6 +227,7 @@ class Muon(Optimizer):
                 self._step_whole(domain, updates)
             else:
                 self._step_owned(domain, updates)
+        presence.finish()
         return loss
 
     def _momentum(self, p: torch.Tensor, g: torch.Tensor, group: dict) -> torch.Tensor:

@@ -4,14 +4,32 @@ Every function works on local tensors of one mesh dim's process group and return
 the collective is already launched (asynchronously), `finish()` waits for it and returns the new
 local tensor. A layout is described by its element bounds in the block (see
 [Note: ragged layout on an N-D mesh]): rank r of the mesh dim holds flat elements `[b[r], b[r+1])`.
-Gloo cannot gather or reduce-scatter unequal pieces, so those collectives run on buffers padded
-to the largest piece; when every piece has the same size, no copy is made before or after.
+
+[Note: ragged gathers without world-sized send buffers]
+Gloo cannot gather or reduce-scatter unequal pieces (nor take the list forms of all-gather and
+all-to-all with unequal pieces), so Ragged -> Replicate and Partial -> Ragged choose between:
+- one rank holds everything (root-only layouts, whole tensors on one rank): a broadcast from it,
+  or a reduce to it; buffers are exactly the tensor, no padding;
+- otherwise an all-gather (reduce-scatter) of pieces padded to the largest piece: the send
+  buffer is one padded piece (the full tensor padded, for a reduce-scatter), whatever the world
+  size; when every piece has the same size no copy is made before or after. The receive side of
+  the all-gather is `world x largest piece`, the price of gloo's equal pieces.
+An `all_to_all_single` is no way to gather: each destination's split is a separate part of
+one input buffer, so sending the same piece to every rank needs `world` copies of it (the send
+buffer of `world x local` elements that an earlier version built for skewed layouts). It
+remains the collective for true all-to-alls (ragged <-> ragged, Shard(0), distribute), where each
+destination gets different elements and the send buffer is the local shard itself.
+Packing and unpacking of padded buffers are one `split` and one `cat` of views, with the split
+sizes computed once per layout (cached), not a Python loop over ranks.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -57,10 +75,6 @@ def done(t: torch.Tensor) -> Pending:
     return Pending(None, lambda: t)
 
 
-def _sizes(bounds: Sequence[int]) -> list[int]:
-    return [bounds[r + 1] - bounds[r] for r in range(len(bounds) - 1)]
-
-
 def shard0_bounds(dim0: int, row_numel: int, num_ranks: int) -> tuple[int, ...]:
     """Element bounds of `Shard(0)` (torch.chunk semantics) of a block with `dim0` rows."""
     chunk = -(-dim0 // num_ranks) if num_ranks else 0
@@ -72,48 +86,66 @@ def slice_local(full: torch.Tensor, bounds: Sequence[int], rank: int) -> Pending
     return done(full.reshape(-1)[bounds[rank] : bounds[rank + 1]].clone())
 
 
-# A gather whose padded all-gather would move more than this fraction of extra bytes runs as an
-# all-to-all of the exact pieces instead (see `all_gather`).
-PADDING_LIMIT = 0.125
+@dataclass(frozen=True)
+class _Ragged:
+    """Split sizes of a layout for the padded collectives (one per distinct bounds, cached)."""
+
+    sizes: list[int]  # per rank
+    width: int  # the largest piece
+    total: int
+    holders: tuple[int, ...]  # ranks with a non-empty piece
+    even: bool  # every piece is `width` long
+    padded: list[int]  # (piece, padding) per rank, interleaved: the padded buffer's parts
+    pads: list[int]  # padding after each rank's piece
+
+
+@functools.lru_cache(maxsize=4096)
+def _ragged(bounds: tuple[int, ...]) -> _Ragged:
+    sizes = np.diff(np.asarray(bounds, dtype=np.int64))
+    width = int(sizes.max()) if len(sizes) else 0
+    pads = width - sizes
+    return _Ragged(
+        sizes=sizes.tolist(),
+        width=width,
+        total=int(sizes.sum()),
+        holders=tuple(np.flatnonzero(sizes).tolist()),
+        even=bool((pads == 0).all()),
+        padded=np.stack([sizes, pads], axis=1).reshape(-1).tolist(),
+        pads=pads.tolist(),
+    )
 
 
 def all_gather(
     local: torch.Tensor, bounds: Sequence[int], group, block_shape: Sequence[int]
 ) -> Pending:
-    """Ragged -> Replicate in one collective.
-
-    Pieces of (nearly) equal size: an all-gather of pieces padded to the largest, then a view of
-    the output (no copy when they are equal). Pieces so uneven that padding would add more than
-    `PADDING_LIMIT` of the tensor's bytes (root-heavy or skewed `local_units`): an all-to-all
-    that sends this rank's piece to every rank and receives every piece at its final place, so
-    the wire carries no padding and the output needs no compaction; the price is a send buffer
-    of `world * local` elements.
-    """
-    sizes = _sizes(bounds)
-    width, total, n = max(sizes), bounds[-1], len(sizes)
+    """Ragged -> Replicate in one collective ([Note: ragged gathers without world-sized send
+    buffers]): a broadcast when one rank holds everything, else an all-gather of pieces padded
+    to the largest (no copy when they are equal); no collective for an empty tensor."""
+    r = _ragged(tuple(bounds))
     local = local.reshape(-1)
-    if n * width - total > PADDING_LIMIT * total:
-        send = local.repeat(n)  # contiguous, also for an empty piece
-        out = local.new_empty(total)
-        work = dist.all_to_all_single(
-            out, send, output_split_sizes=sizes, input_split_sizes=[local.numel()] * n,
-            group=group, async_op=True,
-        )
+    if r.total == 0:
+        return done(local.new_empty(0).view(block_shape))
+    if len(r.holders) == 1:
+        src = r.holders[0]
+        if dist.get_rank(group) == src:
+            out = local.clone(memory_format=torch.contiguous_format)
+        else:
+            out = local.new_empty(r.total)
+        work = dist.broadcast(out, group_src=src, group=group, async_op=True)
         return Pending(work, lambda: out.view(block_shape))
-    if local.numel() != width:
-        padded = local.new_empty(width)
+    if local.numel() != r.width:
+        padded = local.new_empty(r.width)
         padded[: local.numel()].copy_(local)
         local = padded
     elif not local.is_contiguous():
         local = local.contiguous()
-    out = local.new_empty(width * n)
+    out = local.new_empty(r.width * len(r.sizes))
     work = dist.all_gather_into_tensor(out, local, group=group, async_op=True)
 
     def finish() -> torch.Tensor:
-        if all(s == width for s in sizes):
+        if r.even:
             return out.view(block_shape)
-        rows = out.view(n, width)
-        return torch.cat([rows[r, :s] for r, s in enumerate(sizes) if s]).view(block_shape)
+        return torch.cat(out.split(r.padded)[0::2]).view(block_shape)
 
     return Pending(work, finish)
 
@@ -134,7 +166,9 @@ def all_to_all(
 def reduce_scatter(
     full: torch.Tensor, bounds: Sequence[int], rank: int, group, reduce_op: str
 ) -> Pending:
-    """Partial(sum | avg) -> ragged: one reduce-scatter of pieces padded to the largest.
+    """Partial(sum | avg) -> ragged in one collective ([Note: ragged gathers without world-sized
+    send buffers]): a reduce when one rank holds everything, else a reduce-scatter of pieces
+    padded to the largest; no collective for an empty tensor.
 
     The reduction is always a SUM (avg divides afterwards): gloo has silently summed for AVG in some
     torch versions (pytorch issue #162338).
@@ -143,23 +177,27 @@ def reduce_scatter(
         raise ValueError(
             f"Partial({reduce_op!r}) -> RaggedShard is not supported; only sum and avg are"
         )
-    sizes = _sizes(bounds)
-    width, n = max(sizes), len(sizes)
+    r = _ragged(tuple(bounds))
+    n, width, mine = len(r.sizes), r.width, r.sizes[rank]
     flat = full.reshape(-1)
-    if all(s == width for s in sizes):
-        buf = flat.contiguous()
-    else:
-        buf = flat.new_zeros(n * width)
-        rows = buf.view(n, width)
-        for r, s in enumerate(sizes):
-            if s:
-                rows[r, :s].copy_(flat[bounds[r] : bounds[r + 1]])
-    out = flat.new_empty(width)
-    work = dist.reduce_scatter_tensor(out, buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    mine = sizes[rank]
 
-    def finish() -> torch.Tensor:
-        result = out[:mine] if mine != width else out
+    def scaled(result: torch.Tensor) -> torch.Tensor:
         return result.div_(n) if reduce_op == "avg" else result
 
-    return Pending(work, finish)
+    if r.total == 0:
+        return done(flat.new_empty(0))
+    if len(r.holders) == 1:
+        dst = r.holders[0]
+        buf = flat.clone(memory_format=torch.contiguous_format)  # reduced in place
+        work = dist.reduce(buf, group_dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return Pending(work, lambda: scaled(buf) if rank == dst else flat.new_empty(0))
+    if r.even:
+        buf = flat.contiguous()
+    else:  # each piece followed by its padding: one cat of views
+        parts: list = [None] * (2 * n)
+        parts[0::2] = flat.split(r.sizes)
+        parts[1::2] = flat.new_zeros(n * width - r.total).split(r.pads)
+        buf = torch.cat(parts)
+    out = flat.new_empty(width)
+    work = dist.reduce_scatter_tensor(out, buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return Pending(work, lambda: scaled(out[:mine] if mine != width else out))
