@@ -179,6 +179,9 @@ def main():
         )
         if rank == 0:
             print(f"saved {args.ckpt} at step {args.steps}", flush=True)
+    # No rank tears its process group down while a peer is still inside a collective (gloo
+    # aborts the process when that happens).
+    dist.barrier()
     dist.destroy_process_group()
 
 
