@@ -17,7 +17,15 @@ from torch.distributed.tensor import DTensor, Shard
 
 from veragged.testing.pool import get_pool
 
-from tests.fsdp.test_lifecycle import IMPLS, Net, _data, _grads, _params, _same
+from tests.fsdp.test_lifecycle import (
+    IMPLS,
+    Net,
+    _data,
+    _gather_every_group_once,
+    _grads,
+    _params,
+    _same,
+)
 
 
 def _dim1_for_matrices(p: nn.Parameter):
@@ -37,6 +45,8 @@ def _train(impl, mesh_shape, mixed, k, no_sync):
     for b in [*model.blocks, model.extra]:
         fs(b, **kw)
     fs(model, **kw)
+    if no_sync:
+        _gather_every_group_once(model, impl, use_extra=True)
     optim = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     layout = {n: (tuple(p.placements), tuple(p.to_local().shape), p.to_local().is_contiguous())
               for n, p in model.named_parameters() if p.ndim == 2}

@@ -201,6 +201,16 @@ class RaggedDTensor(DTensor):
             raise RuntimeError("placements is needed for redistribute!")
         return redistribute(self, device_mesh or self.device_mesh, placements)
 
+    def detach(self) -> "RaggedDTensor":
+        if torch._C._is_torch_function_enabled():
+            return super().detach()  # through __torch_function__, as every op
+        # Torch functions off (`nn.Parameter(dt)` under DisableTorchFunctionSubclass, as DBuffer
+        # makes its parameters without the hooks of `requires_grad_`): aten.detach reaches the
+        # C++ dispatcher, whose DTensor fast path in torch 2.11 skips a subclass's
+        # `__torch_dispatch__` and returns a plain DTensor, while `nn.Parameter` requires
+        # `detach()` to keep the type. What `__torch_dispatch__` does on later versions:
+        return RaggedDTensor._wrap(self._local_tensor.detach(), self._spec)
+
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         replicated = self.redistribute(self.device_mesh, [Replicate()] * self.device_mesh.ndim)
         return replicated.to_local(grad_placements=grad_placements)

@@ -92,6 +92,11 @@ _FUSED_OPTIMIZER_PREFIXES = ("_fused_adam", "_fused_sgd", "_fused_adagrad")
 _FOREACH_REDUCTIONS = frozenset({"_foreach_norm", "_foreach_max"})
 # Aten ops whose outputs carry no gradient, so they may run while inputs require grad.
 _NON_DIFFERENTIABLE = _FACTORIES - {aten.copy_.default, aten._to_copy.default, aten.alias.default}
+# Functions with a boolean result that compute in floating point inside (isclose: |a - b| <=
+# atol + rtol * |b|): no gradient flows, so they run while inputs require grad. torch 2.11's
+# `torch.testing.assert_close` and `TestCase.assertEqual` call isclose on two DTensors (a
+# parameter against its reference, grad mode on); later versions compare the local shards.
+_BOOLEAN_RESULT = frozenset({torch.isclose, torch.Tensor.isclose})
 
 
 def _allowed(func) -> bool:
@@ -416,7 +421,11 @@ def handle_torch_function(func, args, kwargs):
             "supported; redistribute to Replicate or Shard first"
         )
     uargs, ukwargs, refs, locals_to_dt = _unwrap(_name(func), args, kwargs)
-    needs_grad = torch.is_grad_enabled() and any(dt.requires_grad for dt in locals_to_dt.values())
+    needs_grad = (
+        torch.is_grad_enabled()
+        and func not in _BOOLEAN_RESULT
+        and any(dt.requires_grad for dt in locals_to_dt.values())
+    )
     if not needs_grad and _elementwise(func):  # fast path: every overload is allowed
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*uargs, **ukwargs)
