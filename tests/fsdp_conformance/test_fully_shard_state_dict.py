@@ -9,7 +9,7 @@
 #     `device_type` come from veragged.testing.conformance; the device is CPU, the backend gloo
 #     (`"cuda"` literals -> `device_type.type`, `model.cuda()` -> `model.to(device_type)`);
 #   - world sizes: min(8, #GPUs) -> 4 (the 2-D dp x tp, HSDP and 3-D meshes need it), 2 kept;
-#   - `@skip_if_lt_x_gpu(...)` removed; `@torch_only(...)` added to a test that asserts the
+#   - `@skip_if_lt_x_gpu(...)` removed; `@torch_only(...)` added to the tests that assert the
 #     torch.chunk layout;
 #   - subtests that need a second device are left out, because with CPU as the only device
 #     they cannot hold: test_cached_state_dict with mutate_after_state_dict=True (moves the
@@ -290,6 +290,10 @@ class TestFullyShardStateDictMultiProcess(FSDPTest):
             self.assertTrue(isinstance(dtensor, DTensor))
             self.assertEqual(tensor, dtensor.full_tensor())
 
+    @torch_only(
+        "asserts the torch.chunk layout as test_dp_state_dict_save_load does (an empty local "
+        "shard is never rank 0's); tests/fsdp/test_tp.py runs the rest of it on veragged"
+    )
     def test_dp_tp_state_dict_save_load(self):
         dp_size = 2
         global_mesh = init_device_mesh(
@@ -323,6 +327,10 @@ class TestFullyShardStateDictMultiProcess(FSDPTest):
         fully_shard(model, mesh=dp_mesh)
         self._test_state_dict_save_load(model)
 
+    @torch_only(
+        "asserts the torch.chunk layout as test_dp_state_dict_save_load does (an empty local "
+        "shard is never rank 0's); tests/fsdp/test_tp.py runs the rest of it on veragged"
+    )
     def test_hsdp_tp_state_dict_save_load(self):
         global_mesh = init_device_mesh(
             device_type.type,

@@ -25,7 +25,8 @@ the reduced gradients are copied back before the scale, so the optimizer steps o
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,11 @@ from veragged.placement.dtensor import RaggedDTensor, make_spec
 from veragged.placement.redistribute import redistribute
 from veragged.planner import plan
 
+if TYPE_CHECKING:
+    from veragged.dbuffer.spmd import SpmdParam
+
 __all__ = ["DBuffer"]
+
 
 class DBuffer(GradientPath):
     """One parameter group's flat buffers on one mesh; see [Note: DBuffer layout].
@@ -61,6 +66,8 @@ class DBuffer(GradientPath):
             `pin_memory` and the mesh is not a CPU mesh), as torch's `CPUOffloadPolicy`: the
             shard is copied to the mesh's device into its slot of the all-gather output, and
             the reduced gradients are copied back. See [Note: DBuffer layout].
+        spmd: per tensor, None or (for a tensor/expert-parallel DTensor, whose local block the
+            buffer holds) its `SpmdParam`; see [Note: FSDP over TP].
     """
 
     def __init__(
@@ -74,6 +81,7 @@ class DBuffer(GradientPath):
         reduce_dtype: torch.dtype | None = None,
         offload: bool = False,
         pin_memory: bool = False,
+        spmd: Sequence["SpmdParam | None"] | None = None,
     ):
         if not tensors:
             raise ValueError("DBuffer needs at least one tensor")
@@ -89,6 +97,9 @@ class DBuffer(GradientPath):
         self.rank = mesh.get_coordinate()[self.shard_dim]
         self._policy = (param_dtype, reduce_dtype)
         self.offload = offload
+        self._spmd = list(spmd) if spmd is not None else [None] * len(tensors)
+        if len(self._spmd) != len(tensors):
+            raise ValueError(f"DBuffer: {len(tensors)} tensors but {len(self._spmd)} spmd entries")
         self._pin = offload and pin_memory and mesh.device_type != "cpu"
         dtype = dtypes.pop()
         # Tensors on the meta device make a meta DBuffer: `apply_` (`to_empty`) materialises it.
@@ -111,25 +122,37 @@ class DBuffer(GradientPath):
 
     def _place(self, tensors, block_sizes, align: int) -> int:
         """Plan where each tensor lives: sets `self.entries` (and `self.layout`), returns S."""
-        numels = [t.numel() for _, t in tensors]
+        numels = [t.numel() if info is None else math.prod(info.plan_shape)
+                  for (_, t), info in zip(tensors, self._spmd)]
         blocks = list(block_sizes) if block_sizes is not None else [1] * len(tensors)
         self.layout = plan(numels, blocks, self.world, align=align)
         S = self.layout.shard_size
         lo, hi = self.rank * S, (self.rank + 1) * S
         self.entries: list[_Entry] = []
-        for (name, t), (start, end) in zip(tensors, self.layout.ranges):
+        for (name, t), (start, end), info in zip(tensors, self.layout.ranges, self._spmd):
             counts = [max(0, min(end, (r + 1) * S) - max(start, r * S)) for r in range(self.world)]
-            b, e = min(max(start, lo), hi), min(max(end, lo), hi)  # this rank's part, maybe empty
+            if info is None:
+                stop, placement = end, ragged_placement(t.shape, counts)
+            else:  # the TP block, maybe smaller than planned: [Note: FSDP over TP]
+                stop = start + math.prod(info.local_shape)
+                placement = ragged_placement(info.plan_shape, counts)
+            b, e = min(max(start, lo), hi), min(max(stop, lo), hi)  # this rank's part, maybe empty
             local = (b - lo, e - lo)
-            self.entries.append(
-                _Entry(name, t.shape, start, end, local, ragged_placement(t.shape, counts))
-            )
+            entry = _Entry(name, t.shape, start, end, local, placement)
+            if info is not None:
+                dp = tuple(placement if d == self.shard_dim else Replicate()
+                           for d in range(self.mesh.ndim))
+                entry = _Entry(name, info.shape, start, end, local, placement, spmd=info,
+                               used=stop - start, placements=info.placements(dp))
+            self.entries.append(entry)
         return S
 
     def _local_part(self, e: _Entry, t: torch.Tensor) -> torch.Tensor:
         """This rank's elements of tensor `t` (entry `e`), flat, in shard order."""
         b, n = e.local[0], e.local[1] - e.local[0]
         first = self.rank * self.shard_size + b - e.start
+        if isinstance(t, DTensor):  # a TP parameter: its local block
+            t = t._local_tensor
         return t.reshape(-1)[first : first + n]
 
     def _make_buffers(self, shard: torch.Tensor) -> list[torch.nn.Parameter]:
@@ -150,14 +173,20 @@ class DBuffer(GradientPath):
         self._unsharded = torch.empty(self.world * S, dtype=self.param_dtype,
                                       device=self.compute_device)
         self.unsharded_params = [
-            self._unsharded[e.start : e.end].view(e.shape) for e in self.entries
+            self._unsharded[e.start : e.stop].view(e.view_shape) for e in self.entries
+        ]
+        self.unsharded_params = [  # TP parameters: DTensors on the TP mesh
+            v if e.spmd is None else e.spmd.unsharded(v)
+            for v, e in zip(self.unsharded_params, self.entries)
         ]
         self._free(self._unsharded)
         # Gradients land in the reduce dtype, as torch's FSDP2 copies them into its reduce-scatter
         # input (and accumulates no-sync micro-batches) in it: [Note: gradient landing].
         self._grads = torch.empty(self.world * S, dtype=self.reduce_dtype,
                                   device=self.compute_device)
-        self.unsharded_grads = [self._grads[e.start : e.end].view(e.shape) for e in self.entries]
+        self.unsharded_grads = [
+            self._grads[e.start : e.stop].view(e.view_shape) for e in self.entries
+        ]
         self._free(self._grads)
         self._landed = [True] * len(self.entries)  # which ranges hold a gradient (grads.py)
         self._shard_grad: torch.Tensor | None = None
@@ -234,20 +263,23 @@ class DBuffer(GradientPath):
                 f"a parameter of shape {list(p.shape)}"
             )
         with torch.no_grad():
+            mesh = p.device_mesh
             if not isinstance(value, DTensor):
-                value = distribute_tensor(value, self.mesh, p.placements, src_data_rank=None)
-            elif value.device_mesh != self.mesh:
+                value = distribute_tensor(value, mesh, p.placements, src_data_rank=None)
+            elif value.device_mesh != mesh:
                 raise ValueError(
                     f"{self.entries[i].name}: cannot load a DTensor on {value.device_mesh} into "
-                    f"a parameter on {self.mesh}"
+                    f"a parameter on {mesh}"
                 )
             elif tuple(value.placements) != p.placements:
-                value = redistribute(value, self.mesh, p.placements)
+                value = redistribute(value, mesh, p.placements)
             p._local_tensor.view(-1).copy_(value._local_tensor.reshape(-1))
 
     # --- views -------------------------------------------------------------------------------
 
     def placements(self, e: _Entry) -> tuple[Placement, ...]:
+        if e.placements is not None:  # on the TP-combined mesh: [Note: FSDP over TP]
+            return e.placements
         return tuple(
             e.placement if d == self.shard_dim else Replicate() for d in range(self.mesh.ndim)
         )
@@ -255,7 +287,8 @@ class DBuffer(GradientPath):
     def _shard_view(self, e: _Entry, buf: torch.Tensor) -> DTensor:
         """Tensor `e`'s sharded DTensor over `buf` (the shard or the shard gradient)."""
         local = buf[e.local[0] : e.local[1]]
-        spec = make_spec(self.mesh, self.placements(e), e.shape, buf.dtype)
+        mesh = self.mesh if e.spmd is None else e.spmd.mesh
+        spec = make_spec(mesh, self.placements(e), e.shape, buf.dtype)
         return RaggedDTensor(local, spec, requires_grad=False)
 
     def _sharded(self, e: _Entry, buf: torch.Tensor, requires_grad: bool) -> torch.Tensor:

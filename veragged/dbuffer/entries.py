@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch.distributed.tensor.placement_types import Placement
 
 from veragged.placement.ragged_shard import RaggedShard
+
+if TYPE_CHECKING:
+    from veragged.dbuffer.spmd import SpmdParam
 
 __all__ = ["Entry", "ragged_placement"]
 
@@ -38,4 +41,19 @@ class Entry:
     end: int
     local: tuple[int, int]  # this rank's [begin, end) inside its shard
     placement: Placement  # on the shard mesh dim: a RaggedShard, or Shard(d) if chunked
+    # A tensor/expert-parallel parameter ([Note: FSDP over TP]): its TP block fills
+    # [start, start + used) of the planned range, padding after it when TP cut unevenly.
+    spmd: "SpmdParam | None" = None
+    used: int | None = None
+    placements: tuple[Placement, ...] | None = None  # on spmd.mesh
+
+    @property
+    def stop(self) -> int:
+        """End of the elements the tensor fills in [start, end)."""
+        return self.end if self.used is None else self.start + self.used
+
+    @property
+    def view_shape(self) -> tuple[int, ...]:
+        """Shape of the tensor's view of the unsharded (and gradient) buffer."""
+        return tuple(self.shape) if self.spmd is None else self.spmd.local_shape
 

@@ -81,6 +81,9 @@ class GradientPath:
     def land_grad(self, i: int, grad: torch.Tensor) -> None:
         """Write (first gradient since allocation) or add `grad` into tensor `i`'s range."""
         view = self.unsharded_grads[i]
+        spmd = self.entries[i].spmd
+        if spmd is not None:  # a DTensor on the TP mesh: [Note: FSDP over TP]
+            grad = spmd.local_grad(grad)
         with torch.no_grad():
             if self._landed[i]:
                 view.add_(grad, alpha=self._land_scale)
@@ -95,7 +98,7 @@ class GradientPath:
             if landed:
                 if e.start > pos:
                     ranges.append((pos, e.start))
-                pos = max(pos, e.end)
+                pos = max(pos, e.stop)  # TP padding after `stop` is zeroed too
         if pos < self._grads.numel():
             ranges.append((pos, self._grads.numel()))
         if ranges:

@@ -18,9 +18,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from veragged.dbuffer.buffer import DBuffer
 from veragged.dbuffer.chunked import ChunkedDBuffer
+from veragged.dbuffer.spmd import SpmdParam, spmd_param, tp_block_size
 from veragged.fsdp.group import ParamGroup
 from veragged.fsdp.state import FSDPState
 from veragged.fsdp.state_dict import register_state_dict_hooks
+from veragged.placement.dtensor import RaggedDTensor
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
 
@@ -276,7 +278,7 @@ def _check_module(module: nn.Module) -> None:
         )
 
 
-def _shard_dim(fqn, p, shard_placement_fn, world: int) -> int | None:
+def _shard_dim(fqn, p, shard_placement_fn, world: int, info=None) -> int | None:
     """The dim `shard_placement_fn` asks for (None: the default), checked as torch checks it."""
     placement = shard_placement_fn(p) if shard_placement_fn is not None else None
     if placement is None:
@@ -290,6 +292,12 @@ def _shard_dim(fqn, p, shard_placement_fn, world: int) -> int | None:
         raise AssertionError(
             f"Shard dim {placement.dim} is invalid for {p.ndim}D tensor: {p.shape} ({fqn!r})"
         )
+    if info is not None and dim > 0:
+        raise NotImplementedError(
+            f"shard_placement_fn({fqn!r}) = {placement!r}: a tensor/expert-parallel parameter "
+            f"({tuple(info.spec.placements)}) is sharded by rows (Shard(0)) or by its "
+            "granularity; equal chunks of a later dim are not supported for it yet"
+        )
     if dim > 0 and p.shape[dim] % world:
         raise NotImplementedError(
             f"FSDP does not support uneven sharding on dim {dim}: {p.shape} "
@@ -298,7 +306,10 @@ def _shard_dim(fqn, p, shard_placement_fn, world: int) -> int | None:
     return dim
 
 
-def _block_size(fqn, p, granularity_fn, dim: int | None) -> int:
+def _block_size(fqn, p, granularity_fn, dim: int | None, info=None) -> int:
+    if info is not None:  # the LCM rule: [Note: FSDP over TP]
+        g = granularity_fn(fqn, p) if granularity_fn is not None else None
+        return tp_block_size(fqn, info, g, rows=dim == 0)
     block = None
     if dim == 0:
         block = p.numel() // p.shape[0] if p.shape[0] else 1
@@ -334,7 +345,10 @@ def fully_shard(
     size in elements that no rank boundary may cut (None: element-wise); `shard_placement_fn`
     returning `Shard(0)` keeps rows whole. The sharded parameters are RaggedShard DTensors,
     views into their group's DBuffer; `Shard(d)` with d > 0 gives torch's equal chunks as
-    `Shard(d)` DTensors in a DBuffer of their own ([Note: chunked parameters]). See [Note: fully_shard lifecycle].
+    `Shard(d)` DTensors in a DBuffer of their own ([Note: chunked parameters]). Parameters that
+    are already DTensors on a tensor/expert-parallel mesh (`parallelize_module`) are sharded by
+    their local blocks over `mesh`, onto the combined mesh ([Note: FSDP over TP]). See
+    [Note: fully_shard lifecycle].
     """
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     if not modules:
@@ -385,13 +399,15 @@ def fully_shard(
     ignored = {id(p) for p in ignored_params or ()}
     params = _collect(modules, ignored)
     shared: list[str] = []  # tied to a parameter of an earlier call: an error at lazy init
+    spmd: dict[int, SpmdParam] = {}  # tensor/expert-parallel parameters: [Note: FSDP over TP]
     for fqn, p, _ in params:
-        if isinstance(p, DTensor):
+        if isinstance(p, RaggedDTensor):
             raise ValueError(
-                f"parameter {fqn!r} is already a DTensor ({p.placements}): sharded by another "
-                "fully_shard or by tensor parallelism, which veragged.fully_shard does not "
-                "take yet"
+                f"parameter {fqn!r} is already sharded by fully_shard ({p.placements}); "
+                "apply fully_shard once per parameter"
             )
+        if isinstance(p, DTensor) and _MANAGED.get(id(p)) is not p:
+            spmd[id(p)] = spmd_param(fqn, p, mesh)
         if _MANAGED.get(id(p)) is p:
             shared.append(fqn)
             continue
@@ -400,7 +416,7 @@ def fully_shard(
                 f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor "
                 "with numel equal to 1 (or pass it in ignored_params)."
             )
-        if not p.is_contiguous():
+        if not (p._local_tensor if isinstance(p, DTensor) else p).is_contiguous():
             # The DBuffer would hold a contiguous copy: the unsharded parameter would silently
             # lose its memory format (channels_last), so refuse as torch does.
             raise NotImplementedError(
@@ -409,7 +425,8 @@ def fully_shard(
             )
     params = [e for e in params if e[0] not in shared]
     # Every placement is checked (torch's errors) before any is refused as unsupported.
-    dims = {id(p): _shard_dim(f, p, shard_placement_fn, shard_world) for f, p, _ in params}
+    dims = {id(p): _shard_dim(f, p, shard_placement_fn, shard_world, spmd.get(id(p)))
+            for f, p, _ in params}
     # One DBuffer per dtype; parameters that shard_placement_fn cuts along a later dim (torch's
     # equal chunks) get one of their own: [Note: chunked parameters].
     by_kind: dict[tuple[torch.dtype, bool], list] = {}
@@ -424,8 +441,10 @@ def fully_shard(
             buffer = ChunkedDBuffer(tensors, mesh, dims=[dims[id(p)] for _, p, _ in entries],
                                     **policy)
         else:
-            blocks = [_block_size(f, p, granularity_fn, dims[id(p)]) for f, p, _ in entries]
-            buffer = DBuffer(tensors, mesh, block_sizes=blocks, **policy)
+            blocks = [_block_size(f, p, granularity_fn, dims[id(p)], spmd.get(id(p)))
+                      for f, p, _ in entries]
+            buffer = DBuffer(tensors, mesh, block_sizes=blocks,
+                             spmd=[spmd.get(id(p)) for _, p, _ in entries], **policy)
         for sharded, (_, p, _) in zip(buffer.params, entries):
             with torch._C.DisableTorchFunctionSubclass():  # no ragged accumulation hooks
                 sharded.requires_grad_(p.requires_grad)

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Llama", "LlamaConfig"]
+__all__ = ["Llama", "LlamaConfig", "muon_param_groups", "parallelize", "tp_plan"]
 
 
 @dataclass
@@ -21,6 +21,9 @@ class LlamaConfig:
     hidden: int = 172  # SwiGLU width: not a multiple of the world size on purpose
     max_seq: int = 64
     tie_embeddings: bool = False
+    # Separate q/k/v and gate/up projections (heads inferred from the local width), so that
+    # tensor parallelism can split them by heads and columns: see `tp_plan`.
+    fused: bool = True
 
 
 class RMSNorm(nn.Module):
@@ -47,25 +50,46 @@ class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.heads = cfg.heads
+        self.head_dim = cfg.dim // cfg.heads
+        self.fused = cfg.fused
         self.attn_norm = RMSNorm(cfg.dim)
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)  # fused QKV
+        if cfg.fused:
+            self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)  # fused QKV
+        else:
+            self.q = nn.Linear(cfg.dim, cfg.dim, bias=False)
+            self.k = nn.Linear(cfg.dim, cfg.dim, bias=False)
+            self.v = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.out = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.mlp_norm = RMSNorm(cfg.dim)
-        self.gate_up = nn.Linear(cfg.dim, 2 * cfg.hidden, bias=False)  # fused SwiGLU gate and up
+        if cfg.fused:  # fused SwiGLU gate and up
+            self.gate_up = nn.Linear(cfg.dim, 2 * cfg.hidden, bias=False)
+        else:
+            self.gate = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+            self.up = nn.Linear(cfg.dim, cfg.hidden, bias=False)
         self.down = nn.Linear(cfg.hidden, cfg.dim, bias=True)
 
+    def _qkv(self, h):
+        b, s, _ = h.shape
+        if self.fused:
+            return (
+                self.qkv(h).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            )
+        # -1 heads: a tensor-parallel rank holds some of them
+        return [m(h).view(b, s, -1, self.head_dim).transpose(1, 2)
+                for m in (self.q, self.k, self.v)]
+
     def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = (
-            self.qkv(self.attn_norm(x))
-            .view(b, s, 3, self.heads, d // self.heads)
-            .permute(2, 0, 3, 1, 4)
-        )
+        b, s, _ = x.shape
+        q, k, v = self._qkv(self.attn_norm(x))
         pos = torch.arange(s, device=x.device)
         q, k = rope(q, pos), rope(k, pos)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.out(att.transpose(1, 2).reshape(b, s, d))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        x = x + self.out(att.transpose(1, 2).reshape(b, s, -1))
+        h = self.mlp_norm(x)
+        if self.fused:
+            gate, up = self.gate_up(h).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate(h), self.up(h)
         return x + self.down(F.silu(gate) * up)
 
 
@@ -108,6 +132,34 @@ class Llama(nn.Module):
         return F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
         )
+
+
+def tp_plan() -> dict:
+    """`parallelize_module` plan for each block of a `fused=False` Llama (Megatron style): q, k,
+    v, gate and up column-parallel (by heads and hidden columns), out and down row-parallel, the
+    norms replicated; embedding and head stay data-parallel only."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {name: ColwiseParallel() for name in ("q", "k", "v", "gate", "up")}
+    plan.update(out=RowwiseParallel(), down=RowwiseParallel())
+    return plan
+
+
+def parallelize(model: "Llama", tp_mesh) -> "Llama":
+    """Apply `tp_plan` to every block of `model` (built with `fused=False`) on `tp_mesh`."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if model.cfg.fused:
+        raise ValueError("tensor parallelism needs LlamaConfig(fused=False): a fused QKV or "
+                         "gate/up projection cut by columns would mix q, k and v heads")
+    if model.cfg.heads % tp_mesh.size() or model.cfg.hidden % tp_mesh.size():
+        raise ValueError(
+            f"heads ({model.cfg.heads}) and hidden ({model.cfg.hidden}) must be divisible by the "
+            f"tensor-parallel size {tp_mesh.size()}"
+        )
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, tp_plan())
+    return model
 
 
 def muon_param_groups(model: nn.Module, adamw_lr: float | None = None) -> list[dict]:
