@@ -1,0 +1,100 @@
+"""`fully_shard` with expert parallelism (torchtitan's dp_shard_in_ep layout): the fused experts
+of veragged.testing.moe sharded `Shard(0)` over the ep mesh dim, FSDP over the rest, tokens routed
+by all-to-all. veragged against torch's FSDP2 in the same layout and against one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from veragged.placement import StridedRaggedShard
+from veragged.testing.moe import MoE, MoEConfig, expert_parallel
+from veragged.testing.pool import get_pool
+
+from tests.fsdp.test_lifecycle import IMPLS, _same
+
+CFG = MoEConfig(experts=4, top_k=2)
+
+
+def _tokens(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, CFG.vocab, (2, 13), generator=g)
+
+
+def _full(p):
+    return p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+
+
+def _optimizer(model, opt):
+    if opt == "sgd":  # one-process round-off stays small (see test_tp._optimizer)
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+
+
+def _train_moe(impl, ep, steps, opt="adamw"):
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp_mod_ep", "ep"))
+    dp = mesh._flatten("dp")
+    torch.manual_seed(0)
+    model = MoE(CFG)
+    expert_parallel(model, mesh["ep"])
+    fs = IMPLS[impl]
+    for block in model.blocks:
+        fs(block.moe.experts, mesh=mesh["dp_mod_ep"])
+        # The all-to-all's backward already summed the ep ranks' contributions: divide the
+        # reduced expert gradients by every data-parallel rank, as torchtitan does.
+        block.moe.experts.set_gradient_divide_factor(world)
+        if ep < world:  # torch: gloo has no PREMUL_SUM. Not on one rank, where torch 2.15
+            # divides twice with it (its world-size-1 copy divides, then the post-divide).
+            block.moe.experts.set_force_sum_reduction_for_comms(True)
+        fs(block, mesh=dp)
+    fs(model, mesh=dp)
+    optim = _optimizer(model, opt)
+    losses = []
+    for step in range(steps):
+        loss = model.loss(_tokens(step, dist.get_rank()))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.detach())
+    placements = {n: tuple(p.placements) for n, p in model.named_parameters()}
+    return losses, {n: _full(p) for n, p in model.named_parameters()}, placements
+
+
+def _one_process(world, steps):
+    torch.manual_seed(0)
+    model = MoE(CFG)
+    optim = _optimizer(model, "sgd")
+    losses = []
+    for step in range(steps):
+        loss = torch.stack([model.loss(_tokens(step, r)) for r in range(world)]).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.detach())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_moe_ep_matches_torch_and_one_process(ep):
+    world, steps = 4, 6
+    ref = get_pool(world).run(_train_moe, "torch", ep, steps, "sgd")
+    res = get_pool(world).run(_train_moe, "veragged", ep, steps, "sgd")
+    single_losses, single_params = _one_process(world, steps)
+    mean = torch.stack([torch.stack(l) for l, _, _ in res]).mean(0)
+    torch.testing.assert_close(mean, torch.stack(single_losses), atol=1e-5, rtol=1e-5)
+    for (l_t, p_t, _), (l_v, p_v, pl_v) in zip(ref, res):
+        # The dense parameters are reduced over 4 ranks, where gloo's summation order follows an
+        # element's place in the buffer, which the planned layout moves: fp32 round-off, carried
+        # into the experts' inputs from the second step (2 ranks, as in test_tp, give the bits).
+        torch.testing.assert_close(torch.stack(l_t), torch.stack(l_v), atol=1e-5, rtol=1e-6)
+        _same(p_t, p_v, atol=1e-6)
+        _same(single_params, p_v, atol=1e-5)
+        w1 = pl_v["blocks.0.moe.experts.w1"]
+        assert w1[-1] == Shard(0) and len(w1) == 2
+        if ep < world:  # FSDP over dp_mod_ep after the ep Shard(0): strided
+            assert isinstance(w1[0], StridedRaggedShard) and w1[0].split_factor == ep
+        assert len(pl_v["blocks.0.q.weight"]) == 1  # the flattened dp mesh
