@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 4 examples/train_llama.py            # CPU/gloo, or CUDA/NCCL on GPUs
     torchrun --nproc-per-node 4 examples/train_llama.py --steps 40  # resumes from ./llama_ckpt
+    torchrun --nproc-per-node 4 examples/train_llama.py --tp 2      # FSDP x tensor parallelism
+    torchrun --nproc-per-node 4 examples/train_llama.py --ep 2      # MoE, FSDP x expert parallel
 
 The text is the source of Python's own `argparse` module, as bytes (vocabulary 256). Each block is
 sharded with `veragged.fully_shard`; the fused QKV projection gets 8-row blocks (granularity_fn),
@@ -9,6 +11,13 @@ norms stay whole on one rank. `--optim` picks veragged's distributed Muon (defau
 embedding, head and norms), its block-wise 8-bit AdamW, or torch's AdamW. Every `--log-every`
 steps rank 0 prints loss, tokens/s and peak memory; at the end the model and optimizer state are
 saved with torch.distributed.checkpoint, and a later run with more `--steps` loads them and goes on.
+
+`--tp N` splits q, k, v, gate and up by columns and out and down by rows over N ranks
+(`parallelize_module`), FSDP over the other world / N; `--ep N` trains the mixture-of-experts
+variant (veragged.testing.moe), its fused experts split over N ranks with tokens routed by
+all-to-all, FSDP over the rest (torchtitan's dp_shard_in_ep layout). A checkpoint resumes under
+another split of the same model (`--tp 2` into `--tp 4`, `--ep 2` into `--ep 4`, any world size);
+`--tp` models keep q, k, v (and gate, up) apart, so they and the fused `--tp 1` model differ.
 """
 
 import argparse
@@ -24,7 +33,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import veragged
-from veragged.testing.llama import Llama, LlamaConfig
+from veragged.testing.llama import Llama, LlamaConfig, parallelize
+from veragged.testing.moe import MoE, MoEConfig, expert_parallel
 
 
 def parse_args():
@@ -44,6 +54,9 @@ def parse_args():
     p.add_argument("--tie", action="store_true", help="tie the embedding and output weights")
     p.add_argument("--ckpt", default="llama_ckpt", help="DCP checkpoint directory ('' to skip)")
     p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (Llama)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (trains the MoE)")
+    p.add_argument("--experts", type=int, default=4, help="experts per MoE layer (with --ep)")
     return p.parse_args()
 
 
@@ -62,7 +75,7 @@ def batches(tokens, batch, seq, rank, world, step):
 
 
 def granularity(fqn, param):
-    if fqn.endswith("qkv.weight"):
+    if fqn.endswith("qkv.weight") and param.ndim == 2:
         return 8 * param.shape[1]  # whole 8-row blocks of the fused QKV projection
     if fqn.endswith("norm.weight"):
         return param.numel()  # a norm's weight stays whole on one rank
@@ -75,18 +88,67 @@ def make_optimizer(args, model):
     if args.optim == "adamw8bit":
         return veragged.optim.AdamW8bit(model.parameters(), lr=args.lr, weight_decay=0.1)
     named = dict(model.named_parameters())
+    # Experts ([E, dim, hidden]) and vectors on AdamW, matrices (TP-split ones too) on Muon.
     adamw = [p for n, p in named.items() if "embed" in n or "head" in n or p.ndim != 2]
     qkv = [p for n, p in named.items() if n.endswith("qkv.weight")]
     rest = [p for p in named.values() if all(p is not q for q in adamw + qkv)]
+    groups = [{"params": adamw, "use_muon": False, "lr": args.lr}, {"params": rest}]
+    if qkv:
+        groups.append({"params": qkv, "split_sizes": (args.dim,) * 3})  # q, k and v apart
     return veragged.optim.Muon(
-        [
-            {"params": adamw, "use_muon": False, "lr": args.lr},
-            {"params": qkv, "split_sizes": (args.dim,) * 3},  # q, k and v apart
-            {"params": rest},
-        ],
+        groups,
         lr=args.muon_lr,
         weight_decay=0.1,
     )
+
+
+def build_llama(args, device, world, mp, blocks):
+    """The Llama, sharded over all ranks or (--tp) over (dp, tp); returns it with this rank's
+    data-parallel index and the data-parallel size (TP ranks share a batch)."""
+    tp = args.tp
+    cfg = LlamaConfig(
+        vocab=256,
+        dim=args.dim,
+        layers=args.layers,
+        heads=args.heads,
+        hidden=int(8 * args.dim / 3) // tp * tp,
+        max_seq=args.seq,
+        tie_embeddings=args.tie,
+        fused=tp == 1,
+    )
+    with torch.device("meta"):
+        model = Llama(cfg)
+    if tp > 1:
+        mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        parallelize(model, mesh["tp"])
+        dp = mesh["dp"]
+    else:
+        dp = init_device_mesh(device.type, (world,))
+    for block in model.blocks:
+        veragged.fully_shard(block, mesh=dp, mp_policy=mp, granularity_fn=blocks)
+    veragged.fully_shard(model, mesh=dp, mp_policy=mp, granularity_fn=blocks)
+    return model, dp.get_local_rank(), dp.size()
+
+
+def build_moe(args, device, world, mp, blocks):
+    """The MoE variant: experts split over --ep ranks, FSDP over the rest for them and over
+    every rank for the dense parameters (every rank is data-parallel)."""
+    ep = args.ep
+    cfg = MoEConfig(vocab=256, dim=args.dim, layers=args.layers, heads=args.heads,
+                    experts=args.experts, hidden=args.dim)
+    with torch.device("meta"):
+        model = MoE(cfg)
+    mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp_mod_ep", "ep"))
+    dp = mesh._flatten("dp")
+    expert_parallel(model, mesh["ep"])
+    for block in model.blocks:
+        experts = block.moe.experts
+        veragged.fully_shard(experts, mesh=mesh["dp_mod_ep"], mp_policy=mp, granularity_fn=blocks)
+        # The token all-to-all's backward already summed the ep ranks' gradients.
+        experts.set_gradient_divide_factor(world)
+        veragged.fully_shard(block, mesh=dp, mp_policy=mp, granularity_fn=blocks)
+    veragged.fully_shard(model, mesh=dp, mp_policy=mp, granularity_fn=blocks)
+    return model, dist.get_rank(), world
 
 
 def peak_memory_mb(device):
@@ -109,31 +171,24 @@ def main():
     )
     if use_cuda:
         torch.cuda.set_device(device)
-    mesh = init_device_mesh(device.type, (world,))
-
-    cfg = LlamaConfig(
-        vocab=256,
-        dim=args.dim,
-        layers=args.layers,
-        heads=args.heads,
-        hidden=int(8 * args.dim / 3),
-        max_seq=args.seq,
-        tie_embeddings=args.tie,
-    )
-    # Built on the meta device (no memory), sharded, then materialised shard by shard: how large
-    # models are built. init_weights draws what the constructor would, so the result equals a
-    # model built directly under the same seed.
-    with torch.device("meta"):
-        model = Llama(cfg)
+    if args.tp > 1 and args.ep > 1:
+        raise SystemExit("--tp and --ep: pick one")
+    par = max(args.tp, args.ep)
+    if world % par:
+        raise SystemExit(f"--tp/--ep {par} must divide the world size {world}")
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if args.bf16
         else MixedPrecisionPolicy()
     )
     blocks = veragged.optim.adamw8bit_granularity() if args.optim == "adamw8bit" else granularity
-    for block in model.blocks:
-        veragged.fully_shard(block, mesh=mesh, mp_policy=mp, granularity_fn=blocks)
-    veragged.fully_shard(model, mesh=mesh, mp_policy=mp, granularity_fn=blocks)
+    # Built on the meta device (no memory), sharded, then materialised shard by shard: how large
+    # models are built. init_weights draws what the constructor would, so the result equals a
+    # model built directly under the same seed.
+    if args.ep > 1:
+        model, dp_rank, dp_world = build_moe(args, device, world, mp, blocks)
+    else:
+        model, dp_rank, dp_world = build_llama(args, device, world, mp, blocks)
     model.to_empty(device=device)
     torch.manual_seed(0)
     model.init_weights()
@@ -158,12 +213,12 @@ def main():
         )
     t0, seen = time.perf_counter(), 0
     for step in range(start, args.steps):
-        loss = model.loss(batches(tokens, args.batch, args.seq, rank, world, step))
+        loss = model.loss(batches(tokens, args.batch, args.seq, dp_rank, dp_world, step))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        veragged.clip_grad_norm_(model.parameters(), 1.0)  # TP/EP: parameters on two meshes
         opt.step()
         opt.zero_grad()
-        seen += args.batch * args.seq * world
+        seen += args.batch * args.seq * dp_world
         if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
             rate = seen / (time.perf_counter() - t0)
             print(

@@ -6,7 +6,7 @@ from veragged import (
     _C,  # noqa: F401  (registers torch.ops.veragged.*)
     dbuffer,  # noqa: F401  (fake kernels of the group ops)
 )
-from veragged.fsdp import FSDPModule, fully_shard
+from veragged.fsdp import FSDPModule, clip_grad_norm_, fully_shard
 from veragged.placement import (
     RaggedDTensor,
     RaggedShard,
@@ -25,6 +25,7 @@ DTensor = RaggedDTensor
 __all__ = [
     "DTensor",
     "FSDPModule",
+    "clip_grad_norm_",
     "fully_shard",
     "Layout",
     "RaggedDTensor",

@@ -8,13 +8,13 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _run(ckpt, steps, *extra):
+def _run(ckpt, steps, *extra, nproc=2):
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         str(ROOT / "examples" / "train_llama.py"),
     ]
     cmd += [
@@ -53,3 +53,12 @@ def test_trains_with_adamw8bit_and_torch_adamw(tmp_path):
     for optim in ("adamw8bit", "adamw"):
         out = _run(tmp_path / optim, 2, "--optim", optim)
         assert "step     2  loss" in out and "saved" in out
+
+
+def test_tensor_and_expert_parallel_train_and_resume_under_another_split(tmp_path):
+    for flag in ("--tp", "--ep"):
+        ckpt = tmp_path / flag.strip("-")
+        first = _run(ckpt, 2, flag, "2", nproc=4)
+        assert "step     2  loss" in first and "saved" in first
+        second = _run(ckpt, 3, flag, "4", nproc=4)
+        assert "resumed from" in second and "at step 2" in second and "step     3  loss" in second

@@ -332,3 +332,29 @@ def test_granularity_lcm_rule_with_row_parallel_weights():
             rows_per_block = max(1, g // 16)
             assert all(c % (8 * rows_per_block) == 0 for c in counts), (g, counts)
         assert n % 8 == 0
+
+
+# --- clipping across meshes ---------------------------------------------------------------------
+
+
+def _clip(impl, max_norm, norm_type):
+    mesh, model = _build_llama(impl, (2, 2))
+    model.loss(_tokens(0, _dp_index(mesh))).backward()
+    total = veragged.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    return total, {n: _full(p.grad) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_across_dp_and_tp_meshes(norm_type):
+    """torch's clip_grad_norm_ refuses the Llama's mix of (dp, tp) and dp-only parameters (under
+    torch's fully_shard too); veragged.clip_grad_norm_ gives one process's norm and gradients."""
+    torch.manual_seed(0)
+    ref = Llama(CFG)
+    torch.stack([ref.loss(_tokens(0, i)) for i in range(2)]).mean().backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5, norm_type)
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    for impl in ("veragged", "torch"):
+        for total, got in get_pool(4).run(_clip, impl, 0.5, norm_type):
+            assert not isinstance(total, DTensor)
+            torch.testing.assert_close(total, want, atol=1e-6, rtol=1e-5)
+            _same(grads, got, atol=1e-6)

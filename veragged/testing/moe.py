@@ -150,6 +150,20 @@ class MoE(nn.Module):
         self.norm = RMSNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
 
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every weight as the constructor does, drawing the same random numbers in
+        the same order (modules are visited in the order the constructor made them), for a
+        model built on the meta device and then `to_empty`."""
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, Experts)):
+                m.reset_parameters()
+            elif isinstance(m, nn.Embedding):
+                m.reset_parameters()
+                nn.init.normal_(m.weight, std=0.02)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
     def forward(self, tokens):
         x = self.embed(tokens)
         for block in self.blocks:
