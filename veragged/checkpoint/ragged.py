@@ -38,6 +38,10 @@ class Box(NamedTuple):
 @functools.lru_cache(maxsize=4096)
 def _local_boxes(shape: tuple[int, ...], mesh, placements: tuple) -> tuple[Box, ...]:
     layout = ragged_layout(shape, mesh, placements)
+    if math.prod(shape) == 0:
+        # A tensor without elements still needs an entry in the checkpoint's metadata, or loading
+        # it raises "Missing key": one empty box of the block, as torch writes for its DTensors.
+        return (Box(torch.Size(layout.block_offset), torch.Size(layout.block_shape), 0),)
     if layout.local_numel == 0:
         return ()
     k = len(layout.placement.dims)

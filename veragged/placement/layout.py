@@ -2,7 +2,7 @@
 
 [Note: ragged layout on an N-D mesh]
 At most one mesh dim carries a RaggedShard (or StridedRaggedShard). The other mesh dims carry
-Replicate, Partial or an even `Shard(d)`. The ragged split is applied last: torch computes the
+Replicate, Partial or `Shard(d)`. The ragged split is applied last: torch computes the
 block this rank holds under the other placements (the RaggedShard counted as Replicate), and the
 block's leading `dims` are then split into whole rows (see [Note: RaggedShard semantics]). Two rules
 keep this consistent with DTensor's "placements are applied in mesh order" reading and with
@@ -14,6 +14,15 @@ checkpoint boxes:
 - `Shard(0)` on a later mesh dim than the RaggedShard (FSDP over EP/TP, applied first): the
   placement must be a `StridedRaggedShard` whose `split_factor` is the number of dim-0 pieces,
   so the order of application is recorded in the placements.
+- Uneven `Shard(d)` (a dim the mesh dim size does not divide, e.g. TP of 9 rows over 2 ranks:
+  torch.chunk pieces of 5 and 4 rows, or of 1 and 0) needs `local_units` with exactly one nonzero
+  entry: each block then goes whole to one rank of the ragged mesh dim, whatever its row count.
+  With several holders, blocks of 5 and 4 rows could not both be split in the same proportions
+  and ranks would disagree on whether the placements are valid. Blocks then differ in shape (or
+  are empty) between coordinates of the other mesh dims, but never inside one process group of
+  the ragged mesh dim (its ranks share every other coordinate): bounds, the ragged collectives
+  and the checkpoint boxes (veragged/checkpoint/ragged.py, offsets from torch's block offsets)
+  are per block and stay consistent; torch's own redistribute handles the uneven dims.
 Every check here depends only on shapes and the mesh, so all ranks raise or pass together.
 """
 
@@ -87,10 +96,15 @@ def check_placements(
                 f"{p!r} cannot be combined with a RaggedShard (placements {placements})"
             )
         d = p.dim if p.dim >= 0 else p.dim + len(shape)
-        if shape[d] % mesh.size(j):
+        if not 0 <= d < len(shape):
+            raise ValueError(
+                f"Shard({p.dim}) on mesh dim {j} does not fit a tensor of shape {list(shape)}"
+            )
+        if shape[d] % mesh.size(j) and ragged._units.nonzero != 1:
             raise ValueError(
                 f"Shard({d}) on mesh dim {j} next to a RaggedShard needs dim {d} "
-                f"(size {shape[d]}) to be divisible by the mesh dim size {mesh.size(j)}"
+                f"(size {shape[d]}) to be divisible by the mesh dim size {mesh.size(j)}, or "
+                f"local_units with exactly one nonzero entry (got {ragged!r})"
             )
         if 0 < d < len(ragged.dims):
             raise ValueError(

@@ -11,8 +11,9 @@ a 2-D mesh, the ragged split is applied last: to the block each rank holds under
 placements (see `veragged.placement.layout`). `StridedRaggedShard` is the same split, spelled for
 the case where a `Shard(0)` on a *later* mesh dim was applied before it (FSDP over TP/EP): DTensor
 lists placements in the order they are applied, and `split_factor` records how many `Shard(0)`
-pieces the tensor was cut into first, so the full tensor is the concatenation, over those pieces,
-of each piece's ragged gather.
+pieces the tensor was cut into first (torch.chunk pieces: of unequal sizes only with one nonzero
+`local_units` entry, [Note: ragged layout on an N-D mesh]), so the full tensor is the
+concatenation, over those pieces, of each piece's ragged gather.
 
 Placements are hashed and compared on every DTensor op, so both must be O(1) at any world size:
 `local_units` tuples are interned (one object per distinct tuple), equality compares the interned
