@@ -21,7 +21,10 @@ Not counted, on purpose:
   into exactly a collective's output tensor after it: gloo's reduce-scatter is an all-reduce
   whose result `Work.wait()` copies into the output through the dispatcher, on the waiting
   thread (seen with gloo in torch 2.15; its all-gather and all-reduce dispatch nothing); that
-  copy is the collective's work (tallied in `collective_copies`, bytes, not in `bytes`);
+  copy is the collective's work (tallied in `collective_copies`, bytes, not in `bytes`). The
+  collective's own size is tallied in `collective_bytes` (op -> bytes): per call, the larger of
+  its first two arguments (c10d's output and input: the gathered or to-be-scattered buffer for
+  an all-gather or a reduce-scatter, the tensor for an all-reduce);
 - allocations (`empty`, `empty_strided`, `new_empty`, `empty_like`, ...) and metadata-only
   mutations (`set_`, `resize_`, `as_strided_`, `squeeze_`, `t_`, `record_stream`, ...);
 - tensors on the meta device and fake tensors (DTensor's sharding propagation runs ops on fake
@@ -135,8 +138,9 @@ class WriteCounter(TorchDispatchMode):
             An active `phase(name)` overrides it.
 
     Results: `bytes` (total), `buckets` (bucket -> bytes), `ops` ((bucket, op, site) -> bytes),
-    `collectives` (op -> calls), `collective_copies` (bytes of backend copies into collective
-    outputs, not in `bytes`).
+    `collectives` (op -> calls), `collective_bytes` (op -> bytes of the larger of each call's
+    output and input), `collective_copies` (bytes of backend copies into collective outputs,
+    not in `bytes`).
     """
 
     def __init__(self, attribute: Optional[Attribute] | str = "fsdp"):
@@ -146,6 +150,7 @@ class WriteCounter(TorchDispatchMode):
         self.buckets: Counter = Counter()
         self.ops: Counter = Counter()
         self.collectives: Counter = Counter()
+        self.collective_bytes: Counter = Counter()
         self.collective_copies = 0
         self._phase: Optional[str] = None
         self._pending: dict = {}  # collective outputs a backend may still copy into
@@ -244,8 +249,10 @@ class WriteCounter(TorchDispatchMode):
         return written, sum(_nbytes(t) for t in written)
 
     def _note_collective(self, func, args, kwargs) -> None:
+        sizes = [sum(_nbytes(t) for t in _tensors(a) if _real(t)) for a in args[:2]]
         with self._lock:
             self.collectives[str(func)] += 1
+            self.collective_bytes[str(func)] += max(sizes, default=0)
         first = args[0] if args else None
         for t in _tensors(first):  # by convention a c10d op's first argument is its output
             if _real(t):
