@@ -4,6 +4,7 @@ mesh and against one process; state dicts, DCP both ways with torch, meta init, 
 
 from __future__ import annotations
 
+import functools
 import tempfile
 
 import pytest
@@ -153,6 +154,51 @@ def test_llama_tp_meta_init_equals_direct():
     for (l_d, p_d, _), (l_m, p_m, _) in zip(direct, meta):
         assert torch.equal(torch.stack(l_d), torch.stack(l_m))
         _same(p_d, p_m)
+
+
+def _train_variant(impl, variant, steps=3):
+    """A Llama under TP with one of the runtime's other paths switched on."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.utils.checkpoint import checkpoint
+
+    mesh, dp, tp = _meshes((2, 2))
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    parallelize(model, tp)
+    kw = {"mesh": dp}
+    if variant == "offload":
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    if variant == "no-reshard":
+        kw["reshard_after_forward"] = False
+    for block in model.blocks:
+        if variant == "checkpoint":
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        IMPLS[impl](block, **kw)
+    IMPLS[impl](model, **kw)
+    optim = _optimizer(model, "adamw")
+    losses = []
+    for step in range(steps):
+        micro = 2 if variant == "no-sync" else 1
+        for i in range(micro):
+            if variant == "no-sync":
+                model.set_requires_gradient_sync(i == micro - 1)
+            loss = model.loss(_tokens(10 * step + i, _dp_index(mesh)))
+            loss.backward()
+            if variant == "twice":  # a second forward/backward before the step
+                model.loss(_tokens(100 + step, _dp_index(mesh))).backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.detach())
+    return losses, {n: _full(p) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("variant", ["no-sync", "twice", "offload", "no-reshard", "checkpoint"])
+def test_llama_tp_runtime_paths_match_torch(variant):
+    ref = get_pool(4).run(_train_variant, "torch", variant)
+    res = get_pool(4).run(_train_variant, "veragged", variant)
+    for (l_t, p_t), (l_v, p_v) in zip(ref, res):
+        assert torch.equal(torch.stack(l_t), torch.stack(l_v)), (l_t, l_v)
+        _same(p_t, p_v)
 
 
 # --- torch's MLPStack: uneven TP dims and sequence parallelism --------------------------------
