@@ -8,7 +8,8 @@ defined on the *global* flattened tensor: block b is elements [b*block_size, (b+
 the last block may be partial. A parameter whose global numel is >= `min_8bit_size` gets 8-bit
 state; each rank's shard must then hold whole blocks (start on a block boundary, end on one or
 at the tensor's end), which `veragged.fully_shard(..., granularity_fn=adamw8bit_granularity())`
-guarantees. Each rank then updates its blocks with no communication, and since the kernel's
+guarantees (under tensor parallelism, block sizes are restricted as [Note: AdamW8bit blocks under
+TP] says). Each rank then updates its blocks with no communication, and since the kernel's
 result for a block depends only on that block ([Note: AdamW8bit kernel]), codes, absmax and
 parameters are bitwise those of a single process.
 """
@@ -21,13 +22,14 @@ from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from veragged.optim.blocks import absmax_layout
 from veragged.optim.common import GradPresence, check_grad_agreement, local, local_grads
 from veragged.optim.kernels import adamw8bit_multi_step_, dynamic_map
 from veragged.placement.api import from_local
 from veragged.placement.layout import ragged_mesh_dim
-from veragged.placement.ragged_shard import RaggedShard, StridedRaggedShard
 
 __all__ = ["AdamW8bit", "adamw8bit_granularity"]
 
@@ -80,19 +82,27 @@ class AdamW8bit(torch.optim.Optimizer):
     untouched, its m and v set to 0), as in bitsandbytes; fp32-state parameters follow torch
     (non-finite values propagate).
 
-    Parameters may be plain tensors or DTensors whose local shard is one contiguous range of
-    the flattened tensor: a RaggedShard (e.g. from `veragged.fully_shard`; other mesh dims
-    Replicate), a `Shard(0)` (torch FSDP2) or Replicate. An 8-bit parameter's shard on every
-    rank must hold whole blocks, else the constructor raises ValueError naming the parameter,
-    the rank and its offset and size; shard with `granularity_fn=adamw8bit_granularity(...)`.
+    Parameters may be plain tensors or DTensors: a RaggedShard (e.g. from `veragged.fully_shard`;
+    other mesh dims Replicate), a `Shard(0)` (torch FSDP2) or Replicate, and FSDP over tensor
+    parallelism: `Shard(d)` on TP/EP mesh dims (one tensor dim d) with a RaggedShard or
+    StridedRaggedShard on the FSDP dim and Replicate on an HSDP dim. No rank's shard may cut a
+    quantisation block ([Note: AdamW8bit blocks under TP]): for one flat-range mesh dim every
+    rank's range starts and ends on block boundaries (or at the tensor's end); under `Shard(d)`
+    `block_size` must divide the TP-local row length `prod(local_shape[d:])` on every TP rank
+    (for d = 0 the numel of each TP piece; e.g. a rowwise (4096, 11008) weight on tp=8 allows
+    divisors of 1376), and each FSDP cut of a TP block must fall on a block boundary. Otherwise
+    the constructor raises ValueError naming the parameter, the block size, the shapes and the
+    rank; shard with `granularity_fn=adamw8bit_granularity(...)`.
 
     State, created for every parameter on every rank at construction: `step` (float32 scalar
     tensor, as torch) and either `exp_avg`/`exp_avg_sq` (fp32) or `exp_avg_codes`/
     `exp_avg_sq_codes` (uint8, shaped like the local shard) and `exp_avg_absmax`/
     `exp_avg_sq_absmax` (fp32, one per local block). For DTensor parameters they are DTensors:
     codes and fp32 moments with the parameter's placements, absmax 1-D of global shape
-    (num_blocks,) with `RaggedShard((0,), blocks_per_rank)` on the sharded mesh dim, so
-    `torch.distributed.checkpoint` saves them and reloads them on any world size. Gradients
+    (num_blocks,) with `RaggedShard((0,), blocks_per_rank)` on the sharded mesh dim (under
+    `Shard(d)`: global shape `shape[:d] + (shape[d] // f, inner // g)`, placed like the
+    parameter, [Note: AdamW8bit blocks under TP]), so `torch.distributed.checkpoint` saves them
+    and reloads them on any dp and tp size. Gradients
     missing on some ranks are agreed on first, as `grad_agreement` says ([Note: symmetric grad
     presence]).
 
@@ -145,14 +155,14 @@ class AdamW8bit(torch.optim.Optimizer):
                                                         device=loc.device))
             return state
         bs = group["block_size"]
-        counts = _blocks_per_rank(p, bs, name)
+        layout = absmax_layout(p, bs, name)
         zs, zu = (int((q == 0).nonzero()[0, 0]) for q in self._maps(loc.device))
         blocks = math.ceil(loc.numel() / bs)
         for key, zero in (("exp_avg", zs), ("exp_avg_sq", zu)):
             codes = torch.full(loc.shape, zero, dtype=torch.uint8, device=loc.device)
             absmax = torch.zeros(blocks, dtype=torch.float32, device=loc.device)
             state[f"{key}_codes"] = _like_param(p, codes)
-            state[f"{key}_absmax"] = _absmax_like(p, absmax, counts)
+            state[f"{key}_absmax"] = _absmax_like(p, absmax, layout)
         return state
 
     def _maps(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,63 +327,6 @@ def _is_8bit(p: torch.Tensor, group: dict) -> bool:
     return n > 0 and n >= group["min_8bit_size"]
 
 
-def _shard_dim(p: DTensor) -> int | None:
-    """The mesh dim that splits `p` into contiguous flat ranges (None: replicated everywhere);
-    ValueError for placements whose local shard is not one flat range."""
-    placements = tuple(p.placements)
-    i = ragged_mesh_dim(placements)
-    if i is None:
-        sharded = [j for j, q in enumerate(placements) if not isinstance(q, Replicate)]
-        if not sharded:
-            return None
-        i = sharded[0]
-    ok = isinstance(placements[i], Shard) and placements[i].dim == 0
-    ok = ok or (type(placements[i]) is RaggedShard)
-    others = all(isinstance(q, Replicate) for j, q in enumerate(placements) if j != i)
-    if not (ok and others) or isinstance(placements[i], StridedRaggedShard):
-        raise ValueError(
-            f"AdamW8bit: placements {placements} are not supported for 8-bit state: the local "
-            "shard must be one contiguous range of the flattened tensor (RaggedShard or "
-            "Shard(0) on one mesh dim, Replicate elsewhere)"
-        )
-    return i
-
-
-def _ranges(p: DTensor, dim: int) -> list[tuple[int, int]]:
-    """(flat offset, numel) of every rank's shard along mesh dim `dim`."""
-    placement, ranks = p.placements[dim], p.device_mesh.size(dim)
-    shape = tuple(p.shape)
-    if isinstance(placement, RaggedShard):
-        return [placement.local_numel_and_offset(shape, r)[::-1] for r in range(ranks)]
-    row = math.prod(shape[1:])
-    out = []
-    for r in range(ranks):
-        rows, start = Shard.local_shard_size_and_offset(shape[0], ranks, r)
-        out.append((start * row, rows * row))
-    return out
-
-
-def _blocks_per_rank(p: torch.Tensor, bs: int, name: str) -> tuple[int, ...] | None:
-    """Blocks each rank along the sharded mesh dim holds, after checking every rank's shard
-    holds whole blocks; None when `p` is not sharded."""
-    if not isinstance(p, DTensor):
-        return None
-    dim = _shard_dim(p)
-    if dim is None:
-        return None
-    n = p.numel()
-    for rank, (offset, size) in enumerate(_ranges(p, dim)):
-        if size and (offset % bs or (size % bs and offset + size != n)):
-            raise ValueError(
-                f"AdamW8bit: parameter {name} (shape {list(p.shape)}, {n} elements) is sharded "
-                f"so that rank {rank} of mesh dim {dim} holds {size} elements at flat offset "
-                f"{offset}, which is not a whole number of {bs}-element quantisation blocks. "
-                f"Shard with veragged.fully_shard(..., granularity_fn=adamw8bit_granularity("
-                f"{bs})), or raise min_8bit_size above {n} to keep this parameter in fp32."
-            )
-    return tuple(math.ceil(size / bs) for _, size in _ranges(p, dim))
-
-
 def _like_param(p: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
     """`loc` (this rank's part, shaped like p's local shard) as a tensor placed like `p`."""
     if not isinstance(p, DTensor):
@@ -382,13 +335,14 @@ def _like_param(p: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
                       run_check=False)
 
 
-def _absmax_like(p: torch.Tensor, loc: torch.Tensor, counts: tuple[int, ...] | None):
-    """This rank's absmax as a 1-D tensor of all of `p`'s blocks, sharded like `p`'s blocks."""
-    if not isinstance(p, DTensor):
+def _absmax_like(p: torch.Tensor, loc: torch.Tensor, layout) -> torch.Tensor:
+    """This rank's absmax as a tensor of all of `p`'s blocks (`layout`: its global shape and
+    placements, [Note: AdamW8bit blocks under TP]; None for a plain tensor)."""
+    if layout is None:
         return loc
-    blocks = sum(counts) if counts is not None else loc.numel()
-    placements = [Replicate()] * p.device_mesh.ndim
-    if counts is not None:
-        placements[_shard_dim(p)] = RaggedShard((0,), counts)
-    return from_local(loc, p.device_mesh, placements, shape=(blocks,), stride=(1,),
+    shape, placements = layout
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    if ragged_mesh_dim(placements) is None:  # a torch DTensor: its local tensor has its shape
+        loc = loc.view(compute_local_shape_and_global_offset(shape, p.device_mesh, placements)[0])
+    return from_local(loc, p.device_mesh, placements, shape=shape, stride=stride,
                       run_check=False)

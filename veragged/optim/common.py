@@ -24,13 +24,15 @@ How the ranks agree (`GradPresence`, the optimizers' `grad_agreement`, default "
   parameters a DBuffer makes would do; until then they take the all-reduce below.)
 - Other DTensors (`veragged.distribute_tensor`'d or torch's fully_shard parameters, gradients
   set by hand): one MAX all-reduce of one byte per parameter, all of a mesh's parameters in one
-  tensor, over the groups of the parameters' own device mesh (one per mesh dim of size > 1,
-  chained, so under HSDP the MAX covers replicas and shards), never over ranks outside that
-  mesh: pipeline stages, which hold different parameters on different meshes, never meet in a
-  collective. The all-reduce is launched asynchronously and its result is read (on a GPU, a
-  host sync) only by a rank that lacks a gradient for one of those parameters: a rank that has
-  one already knows the MAX is 1. Every rank waits for it at the end of the step (on NCCL a
-  stream wait).
+  tensor, over all the ranks of the parameters' own device mesh: the mesh dim's group when one
+  dim has more than one rank, else one group over its flattened dims (`domain_group`), so on a
+  (dp, tp) or HSDP (replicate, dp, tp) mesh the MAX covers shards, TP pieces and replicas, and
+  with them every Muon domain of those parameters ([Note: optimizer pieces on N-D meshes]). It
+  never covers ranks outside that mesh: pipeline stages, which hold different parameters on
+  different meshes, never meet in a collective. The all-reduce is launched asynchronously and
+  its result is read (on a GPU, a host sync) only by a rank that lacks a gradient for one of
+  those parameters: a rank that has one already knows the MAX is 1. Every rank waits for it at
+  the end of the step (on NCCL a stream wait).
 `grad_agreement="mesh"` agrees over the mesh for every DTensor, declared or not (gradients
 dropped by hand on fully_shard parameters); `"local"` takes every rank's own verdict with no
 communication at all: the caller guarantees the symmetry (if it does not hold, shards of one
@@ -44,6 +46,8 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from veragged.optim.pieces import domain_group
 
 __all__ = ["GRAD_AGREEMENTS", "GradPresence", "declare_symmetric_grads", "local", "local_grads"]
 
@@ -91,7 +95,7 @@ class GradPresence:
         self._unread: list[int] = []  # indices into _pending whose result this rank needs
         if agreement == "local":
             return
-        buckets: dict[tuple, tuple] = {}  # the mesh's groups -> (mesh, dims, param indices)
+        buckets: dict = {}  # the mesh's group -> (mesh, param indices)
         for i, p in enumerate(params):
             if not isinstance(p, DTensor):
                 continue
@@ -101,19 +105,15 @@ class GradPresence:
             dims = tuple(d for d in range(mesh.ndim) if mesh.size(d) > 1)
             if not dims:
                 continue
-            groups = tuple(mesh.get_group(d) for d in dims)
-            buckets.setdefault(groups, (mesh, dims, []))[2].append(i)
-        for groups, (mesh, _, indices) in buckets.items():
+            group = mesh.get_group(dims[0]) if len(dims) == 1 else domain_group(mesh, dims)[0]
+            buckets.setdefault(group, (mesh, []))[1].append(i)
+        for group, (mesh, indices) in buckets.items():
             flags = [self._verdicts[i] for i in indices]
             mask = torch.tensor(flags, dtype=torch.uint8)
             device = _mesh_device(mesh)
             if device.type != "cpu":  # pinned, so the copy does not wait for the device
                 mask = mask.pin_memory().to(device, non_blocking=True)
-            work = None
-            for group in groups:  # MAX over dim 0, then over dim 1 of that, ...
-                if work is not None:
-                    work.wait()
-                work = dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            work = dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group, async_op=True)
             if not all(flags):
                 self._unread.append(len(self._pending))
             self._pending.append((indices, mask, work))

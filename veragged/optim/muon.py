@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -12,6 +13,7 @@ from veragged.optim.common import GradPresence, check_grad_agreement, local, loc
 from veragged.optim.exchange import Exchange, MatrixLayout, matrix_layout
 from veragged.optim.newton_schulz import DEFAULT_COEFFICIENTS, adjusted_lr, orthogonalize
 from veragged.optim.owners import OwnerPlan, plan_owners
+from veragged.optim.pieces import check_placements
 from veragged.placement.collectives import all_gather
 
 __all__ = ["Muon"]
@@ -26,23 +28,41 @@ class _Matrix:
     param: torch.Tensor
     group: dict[str, Any]
     layout: MatrixLayout
-    blocks: tuple[tuple[int, int, float], ...]  # per row block: flat [begin, end), lr scale
+    blocks: tuple[tuple[int, int, float], ...]  # per row block met locally: local [b, e), lr scale
 
     def apply(self, piece: torch.Tensor, lr: float) -> None:
-        """p -= lr_block * update on this rank's interval, `piece` being the update's elements
-        there (flat)."""
+        """p -= lr_block * update on this rank's piece, `piece` being the update's elements
+        there (flat, in the local tensor's order)."""
         flat = local(self.param).view(-1)
-        lo = self.layout.bounds[self.layout.rank]
-        hi = lo + flat.numel()
         for begin, end, scale in self.blocks:
-            b, e = max(begin, lo), min(end, hi)
-            if b < e:
-                flat[b - lo : e - lo].add_(piece[b - lo : e - lo], alpha=-lr * scale)
+            flat[begin:end].add_(piece[begin:end], alpha=-lr * scale)
+
+
+def _local_blocks(layout: MatrixLayout, shape, splits, scales) -> tuple:
+    """The local element ranges of each row block (`splits` rows, lr `scales`) in this rank's
+    piece ([Note: optimizer pieces on N-D meshes]): an interval [off, off + n) of the flat
+    matrix, or runs that are whole rows (TP Shard(1): row `off // cols + k` is run k)."""
+    r = layout.rank
+    off, count, length = layout.offsets[r], layout.counts[r], layout.lengths[r]
+    size, cols = count * length, shape[1]
+    out, start = [], 0
+    for rows, scale in zip(splits, scales):
+        lo, hi = start, start + rows
+        start = hi
+        if count <= 1:
+            b, e = max(lo * cols, off) - off, min(hi * cols, off + size) - off
+        else:
+            first = off // cols
+            b = (max(lo, first) - first) * length
+            e = (min(hi, first + count) - first) * length
+        if b < e:
+            out.append((b, e, scale))
+    return tuple(out)
 
 
 @dataclass
 class _Domain:
-    """The Muon matrices of one shard process group (None: whole on every rank) and their plan."""
+    """The Muon matrices of one domain process group (None: whole on every rank) and their plan."""
 
     matrices: list[_Matrix]
     plan: OwnerPlan | None
@@ -72,16 +92,22 @@ class Muon(Optimizer):
       - AdamW's `betas` and `adamw_eps` (weight decay is decoupled, math in torch.optim.AdamW's
         order, bitwise equal to `torch.optim.AdamW(foreach=False)`), and any Muon hyper-parameter.
 
-    Distributed (parameters that are DTensors sharded on one mesh dim, by veragged's
-    RaggedShard or torch's Shard(0)): momentum runs on the local shards; every matrix has an
-    owner rank from a deterministic plan (`owners`: "lpt" greedy LPT over Newton-Schulz FLOPs
-    with loads carried across micro-groups, "alpha" Canzona's alpha-balanced contiguous
-    partition per param group, "naive" round robin, or "replicated": every rank gathers and
-    orthogonalises every matrix); matrices travel to their owners in micro-groups, one
-    all-to-all each, the update comes back the same way, and the next micro-group's transfer
-    overlaps the current one's Newton-Schulz ([Note: Muon matrix exchange]). The owner runs the
-    same kernels as one process would, so the result is bitwise the single-process one.
-    `owner_plans` holds the plan per shard group (`ratio` is its max/mean load).
+    Distributed (DTensor parameters: veragged's RaggedShard or torch's Shard(0) on one mesh dim,
+    and FSDP over tensor parallelism on a (dp, tp) or HSDP (replicate, dp, tp) mesh: TP Shard(0)
+    with StridedRaggedShard, TP Shard(1) with RaggedShard, TP Replicate; any placements of
+    [Note: optimizer pieces on N-D meshes]): momentum runs on the local shards; each matrix's
+    domain (the mesh dims that shard it, e.g. dp x tp) is one process group, on which every
+    matrix has an owner (host) rank from a deterministic plan (`owners`: "lpt" greedy LPT over
+    Newton-Schulz FLOPs with loads carried across micro-groups, "alpha" Canzona's
+    alpha-balanced contiguous partition per param group, "naive" round robin, or "replicated":
+    every rank gathers and orthogonalises every matrix); matrices travel to their owners in
+    micro-groups, one all-to-all each over the domain group, the update comes back the same
+    way, and the next micro-group's transfer overlaps the current one's Newton-Schulz
+    ([Note: Muon matrix exchange]). The owner runs the same kernels as one process would, so
+    the result is bitwise the single-process one.
+    `owner_plans` holds the plan per domain group (`ratio` is its max/mean load). `split_sizes`
+    blocks are rows of the global matrix, whatever TP cut: the owner orthogonalises them apart on
+    the whole matrix and each rank scales its part of every block by that block's lr.
 
     grad=None: see [Note: symmetric grad presence]: a parameter no rank has a gradient for is
     skipped, one some rank has is stepped everywhere with zeros for missing shards; how the
@@ -147,6 +173,8 @@ class Muon(Optimizer):
                     f"split_sizes={list(split)} must sum to the rows of every matrix of the "
                     f"group; param {i} has shape {list(p.shape)}"
                 )
+            if muon:
+                check_placements(p)  # unsupported placements raise here, not at the first step
             # State exists for every parameter on every rank from the start (checkpoints see
             # the same keys everywhere, and the first step allocates nothing).
             state = self.state[p]
@@ -162,13 +190,10 @@ class Muon(Optimizer):
 
     def _matrix(self, group: dict, p: torch.Tensor) -> _Matrix:
         rows, cols = p.shape
-        splits = group["split_sizes"] or (rows,)
-        blocks, start = [], 0
-        for r in splits:
-            scale = adjusted_lr(1.0, group["adjust_lr_fn"], r, cols)
-            blocks.append((start * cols, (start + r) * cols, scale))
-            start += r
-        return _Matrix(p, group, matrix_layout(p), tuple(blocks))
+        splits = tuple(group["split_sizes"] or (rows,))
+        scales = [adjusted_lr(1.0, group["adjust_lr_fn"], r, cols) for r in splits]
+        layout = matrix_layout(p)
+        return _Matrix(p, group, layout, _local_blocks(layout, p.shape, splits, scales))
 
     def _build_domains(self) -> list[_Domain]:
         by_group: dict[Any, list[_Matrix]] = {}
@@ -266,10 +291,14 @@ class Muon(Optimizer):
             u = updates.get(id(m.param))
             if u is None:
                 continue
-            if m.layout.group is not None:
-                u = all_gather(u, m.layout.bounds, m.layout.group, (m.param.numel(),)).finish()
+            lay = m.layout
+            if lay.group is not None:
+                bounds = (0, *itertools.accumulate(lay.sizes))  # pieces in rank order
+                u = all_gather(u, bounds, lay.group, (lay.numel,)).finish()
+                if not lay.in_rank_order:
+                    u = lay.assemble(u.split(lay.sizes))
             ortho = self._orthogonalize(m, u.reshape(-1))
-            m.apply(ortho[m.layout.bounds[m.layout.rank] :], m.group["lr"])
+            m.apply(lay.mine(ortho) if lay.group is not None else ortho, m.group["lr"])
 
     def _step_owned(self, domain: _Domain, updates: dict[int, torch.Tensor]) -> None:
         """Owners orthogonalise; micro-groups pipelined ([Note: Muon matrix exchange])."""
