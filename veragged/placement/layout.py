@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
@@ -216,7 +217,8 @@ def _ragged_layout(
     i = ragged_mesh_dim(placements)
     ragged = placements[i]
     others = tuple(Replicate() if j == i else p for j, p in enumerate(placements))
-    block_shape, block_offset = compute_local_shape_and_global_offset(shape, mesh, others)
+    with torch.device("cpu"):  # torch's helper makes index tensors: not on a meta default device
+        block_shape, block_offset = compute_local_shape_and_global_offset(shape, mesh, others)
     k = len(ragged.dims)
     rows, row_numel = math.prod(block_shape[:k]), math.prod(block_shape[k:])
     coordinate = mesh.get_coordinate()[i]
