@@ -21,6 +21,7 @@ another split of the same model (`--tp 2` into `--tp 4`, `--ep 2` into `--ep 4`,
 """
 
 import argparse
+import math
 import os
 import resource
 import time
@@ -57,6 +58,9 @@ def parse_args():
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (Llama)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (trains the MoE)")
     p.add_argument("--experts", type=int, default=4, help="experts per MoE layer (with --ep)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="8-bit AdamW block (default: the largest divisor of 256 inside every "
+                        "tensor-parallel part of a row)")
     return p.parse_args()
 
 
@@ -86,7 +90,8 @@ def make_optimizer(args, model):
     if args.optim == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     if args.optim == "adamw8bit":
-        return veragged.optim.AdamW8bit(model.parameters(), lr=args.lr, weight_decay=0.1)
+        return veragged.optim.AdamW8bit(model.parameters(), lr=args.lr, weight_decay=0.1,
+                                        block_size=args.block_size)
     named = dict(model.named_parameters())
     # Experts ([E, dim, hidden]) and vectors on AdamW, matrices (TP-split ones too) on Muon.
     adamw = [p for n, p in named.items() if "embed" in n or "head" in n or p.ndim != 2]
@@ -111,7 +116,7 @@ def build_llama(args, device, world, mp, blocks):
         dim=args.dim,
         layers=args.layers,
         heads=args.heads,
-        hidden=int(8 * args.dim / 3) // tp * tp,
+        hidden=args.hidden,
         max_seq=args.seq,
         tie_embeddings=args.tie,
         fused=tp == 1,
@@ -181,7 +186,16 @@ def main():
         if args.bf16
         else MixedPrecisionPolicy()
     )
-    blocks = veragged.optim.adamw8bit_granularity() if args.optim == "adamw8bit" else granularity
+    # With --tp the SwiGLU width is a multiple of 128 (so the model, and its checkpoints, are
+    # the same for every TP size up to 128); 8-bit AdamW's quantisation blocks must lie inside
+    # one TP part of a row, and a checkpoint resumes only with the block size it was saved with.
+    args.hidden = int(8 * args.dim / 3)
+    if args.tp > 1:
+        args.hidden = -(-args.hidden // 128) * 128
+    if args.block_size is None:
+        args.block_size = math.gcd(256, args.dim // args.tp, args.hidden // args.tp)
+    blocks = (veragged.optim.adamw8bit_granularity(args.block_size)
+              if args.optim == "adamw8bit" else granularity)
     # Built on the meta device (no memory), sharded, then materialised shard by shard: how large
     # models are built. init_weights draws what the constructor would, so the result equals a
     # model built directly under the same seed.

@@ -62,3 +62,8 @@ def test_tensor_and_expert_parallel_train_and_resume_under_another_split(tmp_pat
         assert "step     2  loss" in first and "saved" in first
         second = _run(ckpt, 3, flag, "4", nproc=4)
         assert "resumed from" in second and "at step 2" in second and "step     3  loss" in second
+    # 8-bit AdamW's state (absmax placed like the parameter) resumes under another TP size too.
+    ckpt = tmp_path / "tp8bit"
+    eight = ("--optim", "adamw8bit", "--block-size", "8")
+    assert "saved" in _run(ckpt, 2, "--tp", "2", *eight, nproc=4)
+    assert "at step 2" in _run(ckpt, 3, "--tp", "4", *eight, nproc=4)
