@@ -34,7 +34,7 @@ def _optimizer(model, opt):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
 
 
-def _train_moe(impl, ep, steps, opt="adamw"):
+def _train_moe(impl, ep, steps, opt="adamw", chunk_experts=False):
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp_mod_ep", "ep"))
     dp = mesh._flatten("dp")
@@ -43,7 +43,9 @@ def _train_moe(impl, ep, steps, opt="adamw"):
     expert_parallel(model, mesh["ep"])
     fs = IMPLS[impl]
     for block in model.blocks:
-        fs(block.moe.experts, mesh=mesh["dp_mod_ep"])
+        # torchtitan chunks the experts' dim 1 over dp when they are fewer than the dp ranks.
+        fs(block.moe.experts, mesh=mesh["dp_mod_ep"],
+           shard_placement_fn=(lambda p: Shard(1)) if chunk_experts else None)
         # The all-to-all's backward already summed the ep ranks' contributions: divide the
         # reduced expert gradients by every data-parallel rank, as torchtitan does.
         block.moe.experts.set_gradient_divide_factor(world)
@@ -98,3 +100,15 @@ def test_moe_ep_matches_torch_and_one_process(ep):
         if ep < world:  # FSDP over dp_mod_ep after the ep Shard(0): strided
             assert isinstance(w1[0], StridedRaggedShard) and w1[0].split_factor == ep
         assert len(pl_v["blocks.0.q.weight"]) == 1  # the flattened dp mesh
+
+
+def test_moe_ep_experts_chunked_on_dim1_as_torchtitan():
+    """`shard_placement_fn` -> Shard(1) on the ep-sharded experts: torch's layout, plain
+    (Shard(1), Shard(0)) DTensors on the (dp_mod_ep, ep) mesh, torch's numbers."""
+    ref = get_pool(4).run(_train_moe, "torch", 2, 3, "sgd", True)
+    res = get_pool(4).run(_train_moe, "veragged", 2, 3, "sgd", True)
+    for (l_t, p_t, pl_t), (l_v, p_v, pl_v) in zip(ref, res):
+        torch.testing.assert_close(torch.stack(l_t), torch.stack(l_v), atol=1e-5, rtol=1e-6)
+        _same(p_t, p_v, atol=1e-6)
+        assert pl_v["blocks.0.moe.experts.w1"] == (Shard(1), Shard(0))
+        assert pl_t["blocks.0.moe.experts.w1"] == pl_v["blocks.0.moe.experts.w1"]

@@ -339,8 +339,13 @@ def _bad_inputs():
     lin = nn.Linear(8, 6, bias=False)
     lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), tp, [Shard(1)]))
     expect(ValueError, lambda: veragged.fully_shard(lin, mesh=dp, granularity_fn=lambda n, p: 6))
-    # Equal chunks of a later dim (shard_placement_fn Shard(1)) for a TP parameter.
+    # Equal chunks (shard_placement_fn Shard(1)) of the dim TP already splits.
     lin = nn.Linear(8, 6, bias=False)
+    lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), tp, [Shard(1)]))
+    expect(ValueError,
+           lambda: veragged.fully_shard(lin, mesh=dp, shard_placement_fn=lambda p: Shard(1)))
+    # Equal chunks of a TP block that does not divide (3 local columns over 2 dp ranks).
+    lin = nn.Linear(3, 8, bias=False)
     lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), tp, [Shard(0)]))
     expect(NotImplementedError,
            lambda: veragged.fully_shard(lin, mesh=dp, shard_placement_fn=lambda p: Shard(1)))
@@ -353,7 +358,8 @@ def test_bad_input_raises_naming_values():
     assert "does not combine" in msgs[1]
     assert "Partial" in msgs[2] and "'weight'" in msgs[2]
     assert "= 6 elements is cut by tensor parallelism" in msgs[3] and "[6, 8]" in msgs[3]
-    assert "Shard(dim=1)" in msgs[4] or "Shard(1)" in msgs[4]
+    assert "dim 1 is already split" in msgs[4] and "'weight'" in msgs[4]
+    assert "uneven sharding on dim 1" in msgs[5] and "(4, 3)" in msgs[5]
 
 
 def _good_granularity():

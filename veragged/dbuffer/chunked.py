@@ -17,6 +17,11 @@ of the all-gather output. These tensors get a DBuffer of their own, laid out as 
 Everything else (mixed precision, no-sync accumulation, unreached parameters, HSDP,
 `reshard_after_forward=k`) is `DBuffer`'s, which reaches the layouts only through
 `_gather_output`, `_finish_gather` and `_rank_major`.
+A tensor/expert-parallel parameter ([Note: FSDP over TP]; torchtitan shards experts `[E, ...]`
+this way when there are fewer local experts than dp ranks) is chunked by its local TP block,
+which TP must cut evenly; its sharded parameter is a torch DTensor on the combined mesh with
+`(Shard(d), *tp placements)`: DTensor applies the dp chunking of dim d to the global tensor and
+the TP split of another dim after it, which gives the same local chunk.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import math
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Shard
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from veragged.dbuffer.buffer import DBuffer
 from veragged.dbuffer.entries import Entry as _Entry
@@ -56,30 +61,44 @@ class ChunkedDBuffer(DBuffer):
         self.entries = []
         self._chunks = []  # per tensor: (A, D / P, B), the 3-D view of one chunk
         off = 0
-        for (name, t), d in zip(tensors, self._dims):
-            if not 0 <= d < t.ndim or t.shape[d] % P:
+        for (name, t), d, info in zip(tensors, self._dims, self._spmd):
+            shape = tuple(t.shape) if info is None else info.local_shape
+            if not 0 <= d < len(shape) or shape[d] % P or not (info is None or info.even):
                 raise ValueError(
-                    f"ChunkedDBuffer: {name!r} of shape {list(t.shape)} cannot be cut into {P} "
-                    f"equal chunks along dim {d}"
+                    f"ChunkedDBuffer: {name!r} of {'TP block ' if info else ''}shape "
+                    f"{list(shape)} cannot be cut into {P} equal chunks along dim {d}"
+                    + ("" if info is None or info.even else " (TP cuts it unevenly)")
                 )
-            n = t.numel() // P
-            self.entries.append(_Entry(name, t.shape, P * off, P * (off + n), (off, off + n),
-                                       Shard(d)))
-            self._chunks.append(
-                (math.prod(t.shape[:d]), t.shape[d] // P, math.prod(t.shape[d + 1 :]))
-            )
+            if info is not None and any(isinstance(pl, Shard) and pl.dim == d
+                                        for pl in info.spec.placements):
+                raise ValueError(
+                    f"ChunkedDBuffer: {name!r}: dim {d} is already split by "
+                    f"{tuple(info.spec.placements)}; chunk another dim"
+                )
+            n = math.prod(shape) // P
+            entry = _Entry(name, t.shape, P * off, P * (off + n), (off, off + n), Shard(d))
+            if info is not None:
+                dp = tuple(Shard(d) if j == self.shard_dim else Replicate()
+                           for j in range(self.mesh.ndim))
+                entry = _Entry(name, info.shape, P * off, P * (off + n), (off, off + n),
+                               Shard(d), spmd=info, placements=info.placements(dp))
+            self.entries.append(entry)
+            self._chunks.append((math.prod(shape[:d]), shape[d] // P, math.prod(shape[d + 1 :])))
             off += n
         self._used = off
         return max(align, -(-off // align) * align)
 
     def _local_part(self, e: _Entry, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):  # a TP parameter: chunks of its local block
+            t = t._local_tensor
         return t.chunk(self.world, dim=e.placement.dim)[self.rank].reshape(-1)
 
     def _shard_view(self, e: _Entry, buf: torch.Tensor) -> DTensor:
-        shape = list(e.shape)
+        shape = list(e.view_shape)
         shape[e.placement.dim] //= self.world
         local = buf[e.local[0] : e.local[1]].view(shape)
-        spec = make_spec(self.mesh, self.placements(e), e.shape, buf.dtype)
+        mesh = self.mesh if e.spmd is None else e.spmd.mesh
+        spec = make_spec(mesh, self.placements(e), e.shape, buf.dtype)
         return DTensor(local, spec, requires_grad=False)
 
     # --- the two layouts ---------------------------------------------------------------------

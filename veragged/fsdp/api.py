@@ -292,15 +292,10 @@ def _shard_dim(fqn, p, shard_placement_fn, world: int, info=None) -> int | None:
         raise AssertionError(
             f"Shard dim {placement.dim} is invalid for {p.ndim}D tensor: {p.shape} ({fqn!r})"
         )
-    if info is not None and dim > 0:
+    shape = p.shape if info is None else info.local_shape  # TP: chunks of the local block
+    if dim > 0 and shape[dim] % world:
         raise NotImplementedError(
-            f"shard_placement_fn({fqn!r}) = {placement!r}: a tensor/expert-parallel parameter "
-            f"({tuple(info.spec.placements)}) is sharded by rows (Shard(0)) or by its "
-            "granularity; equal chunks of a later dim are not supported for it yet"
-        )
-    if dim > 0 and p.shape[dim] % world:
-        raise NotImplementedError(
-            f"FSDP does not support uneven sharding on dim {dim}: {p.shape} "
+            f"FSDP does not support uneven sharding on dim {dim}: {shape} "
             f"(world size: {world}; {fqn!r})"
         )
     return dim
@@ -439,7 +434,7 @@ def fully_shard(
                       offload=offload, pin_memory=offload and offload_policy.pin_memory)
         if chunked:
             buffer = ChunkedDBuffer(tensors, mesh, dims=[dims[id(p)] for _, p, _ in entries],
-                                    **policy)
+                                    spmd=[spmd.get(id(p)) for _, p, _ in entries], **policy)
         else:
             blocks = [_block_size(f, p, granularity_fn, dims[id(p)], spmd.get(id(p)))
                       for f, p, _ in entries]
