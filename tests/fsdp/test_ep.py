@@ -112,3 +112,91 @@ def test_moe_ep_experts_chunked_on_dim1_as_torchtitan():
         _same(p_t, p_v, atol=1e-6)
         assert pl_v["blocks.0.moe.experts.w1"] == (Shard(1), Shard(0))
         assert pl_t["blocks.0.moe.experts.w1"] == pl_v["blocks.0.moe.experts.w1"]
+
+
+# --- one module per expert, experts without tokens -----------------------------------------------
+
+SPARSE = MoEConfig(experts=8, top_k=1, fused_experts=False)  # few tokens: many experts get none
+
+
+def _sparse_tokens(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(500 + 1000 * step + rank)
+    return torch.randint(0, SPARSE.vocab, (1, 6), generator=g)
+
+
+def _global_name(name: str, ep_rank: int, local: int) -> str:
+    """`...experts.experts.<i>...` of ep rank `ep_rank` -> the one-process expert index."""
+    parts = name.split(".")
+    if "experts" in parts and parts[parts.index("experts") + 1] == "experts":
+        k = parts.index("experts") + 2
+        parts[k] = str(ep_rank * local + int(parts[k]))
+    return ".".join(parts)
+
+
+def _train_sparse(impl, steps, unused_zeros):
+    world, ep = dist.get_world_size(), 2
+    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp_mod_ep", "ep"))
+    dp = mesh._flatten("dp")
+    torch.manual_seed(0)
+    model = MoE(SPARSE)
+    expert_parallel(model, mesh["ep"])
+    fs = IMPLS[impl]
+    for block in model.blocks:
+        fs(block.moe.experts, mesh=mesh["dp_mod_ep"])
+        block.moe.experts.set_gradient_divide_factor(world)
+        block.moe.experts.set_force_sum_reduction_for_comms(True)  # torch: gloo, no PREMUL_SUM
+        if unused_zeros:  # torch's FSDP2 needs it when ranks reach different experts
+            block.moe.experts.set_reduce_scatter_unused_params(True)
+        fs(block, mesh=dp)
+    fs(model, mesh=dp)
+    optim = _optimizer(model, "sgd")
+    ep_rank, local = mesh["ep"].get_local_rank(), SPARSE.experts // ep
+    losses, nones = [], []
+    for step in range(3):
+        loss = model.loss(_sparse_tokens(step, dist.get_rank()))
+        loss.backward()
+        nones.append({_global_name(n, ep_rank, local): p.grad is None
+                      for n, p in model.named_parameters()})
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.detach())
+    params = {_global_name(n, ep_rank, local): _full(p) for n, p in model.named_parameters()}
+    return losses, params, nones
+
+
+def _sparse_one_process(world):
+    torch.manual_seed(0)
+    model = MoE(SPARSE)
+    optim = _optimizer(model, "sgd")
+    losses, nones = [], []
+    for step in range(3):
+        loss = torch.stack([model.loss(_sparse_tokens(step, r)) for r in range(world)]).mean()
+        loss.backward()
+        nones.append({n: p.grad is None for n, p in model.named_parameters()})
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.detach())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, nones
+
+
+def test_per_expert_modules_without_tokens_match_one_process():
+    """An expert no rank's data reached keeps grad None on every rank holding it, one that some
+    rank reached gets its gradient on all of them: the one-process verdict, step by step."""
+    res = get_pool(4).run(_train_sparse, "veragged", 3, False)
+    single_losses, single_params, single_nones = _sparse_one_process(4)
+    assert any(any(v for k, v in step.items() if "experts" in k) for step in single_nones)
+    mean = torch.stack([torch.stack(l) for l, _, _ in res]).mean(0)
+    torch.testing.assert_close(mean, torch.stack(single_losses), atol=1e-5, rtol=1e-5)
+    for _, params, nones in res:
+        for step, got in enumerate(nones):
+            assert got == {k: single_nones[step][k] for k in got}, step
+        _same({k: single_params[k] for k in params}, params, atol=1e-5)
+
+
+def test_per_expert_modules_with_unused_params_reduced_match_torch():
+    ref = get_pool(4).run(_train_sparse, "torch", 3, True)
+    res = get_pool(4).run(_train_sparse, "veragged", 3, True)
+    for (l_t, p_t, n_t), (l_v, p_v, n_v) in zip(ref, res):
+        torch.testing.assert_close(torch.stack(l_t), torch.stack(l_v), atol=1e-5, rtol=1e-6)
+        _same(p_t, p_v, atol=1e-6)
+        assert n_t == n_v

@@ -17,7 +17,11 @@ then shards each expert rank's local experts over the remaining data-parallel ra
     fully_shard(model, mesh=mesh._flatten("dp"))
 
 An expert that no token reached on a rank still takes part in the computation with zero rows,
-so its gradient is zeros there, the same kind of value on every rank.
+so its gradient is zeros there, the same kind of value on every rank. With one module per expert
+(`MoEConfig(fused_experts=False)`) each expert-parallel rank holds its own experts' modules and
+skips an expert without tokens, so its gradient is None on that rank: fully_shard then gives it
+a gradient where any rank of its data-parallel group reached it, and None where none did
+([Note: unreached parameters]), as one process over all the ranks' data does.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class MoEConfig:
     experts: int = 4
     top_k: int = 2
     hidden: int = 48  # per expert
+    # False: one module per expert (an `ExpertList`); under EP each rank keeps its own experts,
+    # and an expert no token reached is left out of the computation (its gradient is None).
+    fused_experts: bool = True
 
 
 class Experts(nn.Module):
@@ -72,13 +79,43 @@ class Experts(nn.Module):
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
 
 
+class Expert(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class ExpertList(nn.Module):
+    """One module per expert, as `Experts` runs them, except that an expert without rows is not
+    run at all: its parameters get no gradient from this rank."""
+
+    def __init__(self, experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.experts = nn.ModuleList(Expert(dim, hidden) for _ in range(experts))
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        # An expert without rows contributes an empty output that still hangs off `x`, so the
+        # backward reaches this module (and the token all-to-all) on every rank, whatever the
+        # routing: collectives stay in the same order everywhere.
+        outs = [e(xe) if xe.shape[0] else (xe[:, :1] * 0).expand(-1, self.dim)
+                for e, xe in zip(self.experts, x.split(counts))]
+        return torch.cat(outs)
+
+
 class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig):
         super().__init__()
         self.top_k = cfg.top_k
         self.num_experts = cfg.experts
         self.router = nn.Linear(cfg.dim, cfg.experts, bias=False)
-        self.experts = Experts(cfg.experts, cfg.dim, cfg.hidden)
+        kind = Experts if cfg.fused_experts else ExpertList
+        self.experts = kind(cfg.experts, cfg.dim, cfg.hidden)
         self.ep_group: dist.ProcessGroup | None = None  # set by `expert_parallel`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +193,7 @@ class MoE(nn.Module):
         the same order (modules are visited in the order the constructor made them), for a
         model built on the meta device and then `to_empty`."""
         for m in self.modules():
-            if isinstance(m, (nn.Linear, Experts)):
+            if isinstance(m, (nn.Linear, Experts)):  # an Expert's Linears are visited in turn
                 m.reset_parameters()
             elif isinstance(m, nn.Embedding):
                 m.reset_parameters()
@@ -178,15 +215,22 @@ class MoE(nn.Module):
 
 def expert_parallel(model: MoE, ep_mesh) -> MoE:
     """Shard every block's experts `Shard(0)` over `ep_mesh` (from rank 0's values, as
-    `parallelize_module` does) and route tokens to them by all-to-all."""
+    `parallelize_module` does) and route tokens to them by all-to-all. With per-expert modules
+    (`fused_experts=False`) each rank keeps the modules of its own experts (E / ep consecutive
+    ones, plain parameters) and drops the others."""
     ep = ep_mesh.size()
     if model.cfg.experts % ep:
         raise ValueError(f"experts ({model.cfg.experts}) must be divisible by the expert-parallel "
                          f"size {ep}")
     for block in model.blocks:
         experts = block.moe.experts
+        block.moe.ep_group = ep_mesh.get_group()
+        if isinstance(experts, ExpertList):
+            local = model.cfg.experts // ep
+            mine = ep_mesh.get_local_rank() * local
+            experts.experts = nn.ModuleList(list(experts.experts)[mine : mine + local])
+            continue
         for name, p in list(experts.named_parameters(recurse=False)):
             dt = distribute_tensor(p.detach(), ep_mesh, [Shard(0)])
             experts.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
-        block.moe.ep_group = ep_mesh.get_group()
     return model
