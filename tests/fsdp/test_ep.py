@@ -8,12 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from veragged.placement import StridedRaggedShard
 from veragged.testing.moe import MoE, MoEConfig, expert_parallel
 from veragged.testing.pool import get_pool
 
+from tests.fsdp._reference import full as _full, one_process, optimizer as _optimizer
 from tests.fsdp.test_lifecycle import IMPLS, _same
 
 CFG = MoEConfig(experts=4, top_k=2)
@@ -22,16 +23,6 @@ CFG = MoEConfig(experts=4, top_k=2)
 def _tokens(step: int, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randint(0, CFG.vocab, (2, 13), generator=g)
-
-
-def _full(p):
-    return p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
-
-
-def _optimizer(model, opt):
-    if opt == "sgd":  # one-process round-off stays small (see test_tp._optimizer)
-        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
 
 
 def _train_moe(impl, ep, steps, opt="adamw", chunk_experts=False):
@@ -67,17 +58,8 @@ def _train_moe(impl, ep, steps, opt="adamw", chunk_experts=False):
 
 
 def _one_process(world, steps):
-    torch.manual_seed(0)
-    model = MoE(CFG)
-    optim = _optimizer(model, "sgd")
-    losses = []
-    for step in range(steps):
-        loss = torch.stack([model.loss(_tokens(step, r)) for r in range(world)]).mean()
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.detach())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return one_process(lambda: MoE(CFG), lambda step: [_tokens(step, r) for r in range(world)],
+                       steps)
 
 
 @pytest.mark.parametrize("ep", [2, 4])
@@ -165,18 +147,13 @@ def _train_sparse(impl, steps, unused_zeros):
 
 
 def _sparse_one_process(world):
-    torch.manual_seed(0)
-    model = MoE(SPARSE)
-    optim = _optimizer(model, "sgd")
-    losses, nones = [], []
-    for step in range(3):
-        loss = torch.stack([model.loss(_sparse_tokens(step, r)) for r in range(world)]).mean()
-        loss.backward()
-        nones.append({n: p.grad is None for n, p in model.named_parameters()})
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.detach())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, nones
+    nones = []
+    losses, params = one_process(
+        lambda: MoE(SPARSE), lambda step: [_sparse_tokens(step, r) for r in range(world)], 3,
+        on_step=lambda step, model: nones.append(
+            {n: p.grad is None for n, p in model.named_parameters()}),
+    )
+    return losses, params, nones
 
 
 def test_per_expert_modules_without_tokens_match_one_process():

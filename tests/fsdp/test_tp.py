@@ -21,6 +21,7 @@ from veragged.placement import RaggedShard, StridedRaggedShard
 from veragged.testing.llama import Llama, LlamaConfig, parallelize
 from veragged.testing.pool import get_pool
 
+from tests.fsdp._reference import full as _full, one_process, optimizer as _optimizer
 from tests.fsdp.test_lifecycle import IMPLS, _same
 
 CFG = LlamaConfig(fused=False, layers=2, hidden=96)
@@ -64,18 +65,6 @@ def _build_llama(impl, mesh_shape, mp=None, meta=False):
     return mesh, model
 
 
-def _full(p):
-    return p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
-
-
-def _optimizer(model, opt):
-    # AdamW exercises the ops on sharded DTensors; SGD keeps one-process round-off small (Adam
-    # turns a near-zero gradient's round-off into a full lr-sized step of either sign).
-    if opt == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-
-
 def _train_llama(impl, mesh_shape, steps, mixed=False, meta=False, opt="adamw"):
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if mixed else None)
@@ -93,18 +82,8 @@ def _train_llama(impl, mesh_shape, steps, mixed=False, meta=False, opt="adamw"):
 
 
 def _one_process(dp_world, steps):
-    torch.manual_seed(0)
-    model = Llama(CFG)
-    optim = _optimizer(model, "sgd")
-    losses = []
-    for step in range(steps):
-        batches = [_tokens(step, i) for i in range(dp_world)]
-        loss = torch.stack([model.loss(t) for t in batches]).mean()
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.detach())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return one_process(lambda: Llama(CFG), lambda step: [_tokens(step, i) for i in range(dp_world)],
+                       steps)
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 2, 2)], ids=["dp2-tp2", "hsdp2x2-tp2"])
