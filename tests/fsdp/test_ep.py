@@ -64,7 +64,7 @@ def _one_process(world, steps):
 
 @pytest.mark.parametrize("ep", [2, 4])
 def test_moe_ep_matches_torch_and_one_process(ep):
-    world, steps = 4, 6
+    world, steps = 4, 10
     ref = get_pool(world).run(_train_moe, "torch", ep, steps, "sgd")
     res = get_pool(world).run(_train_moe, "veragged", ep, steps, "sgd")
     single_losses, single_params = _one_process(world, steps)

@@ -256,31 +256,47 @@ def test_state_dict_writes_back_in_place():
     assert all(get_pool(4).run(_state_dict_writeback))
 
 
+def _optim_state(model, optim) -> dict:
+    """AdamW's moments by parameter name, full values."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {f"{names[id(p)]}.{k}": _full(v) for p, st in optim.state.items()
+            for k, v in st.items() if k != "step"}
+
+
 def _dcp_with_torch(save_impl, load_impl, load_shape, path):
-    """Train two steps under `save_impl`, save with DCP; load into `load_impl`'s model on
-    `load_shape`; return the full values on both sides."""
+    """Train two steps under `save_impl`, save model and AdamW state with DCP (torch's
+    get_state_dict); load both into `load_impl`'s model on `load_shape`; return the full values
+    on both sides."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     _, model = _build_llama(save_impl, (2, 2))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     for step in range(2):
         model.loss(_tokens(step, dist.get_rank() // 2)).backward()
         optim.step()
         optim.zero_grad()
-    saved = {n: _full(p) for n, p in model.named_parameters()}
-    dcp.save(model.state_dict(), checkpoint_id=path)
+    saved = {n: _full(p) for n, p in model.named_parameters()} | _optim_state(model, optim)
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     _, other = _build_llama(load_impl, load_shape)
-    sd = other.state_dict()
-    dcp.load(sd, checkpoint_id=path)
-    other.load_state_dict(sd)
-    return saved, {n: _full(p) for n, p in other.named_parameters()}
+    other_optim = torch.optim.AdamW(other.parameters(), lr=1e-2, foreach=False)
+    msd, osd = get_state_dict(other, other_optim)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(other, other_optim, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    loaded = {n: _full(p) for n, p in other.named_parameters()}
+    return saved, loaded | _optim_state(other, other_optim)
 
 
 @pytest.mark.parametrize("direction", ["torch-to-veragged", "veragged-to-torch",
-                                       "veragged-dp2tp2-to-dp1tp4"])
+                                       "veragged-dp2tp2-to-dp1tp4", "veragged-dp2tp2-to-dp4tp1"])
 def test_dcp_round_trips_with_torch_fsdp_tp(direction):
     save_impl, load_impl, shape = {
         "torch-to-veragged": ("torch", "veragged", (2, 2)),
         "veragged-to-torch": ("veragged", "torch", (2, 2)),
         "veragged-dp2tp2-to-dp1tp4": ("veragged", "veragged", (1, 4)),
+        "veragged-dp2tp2-to-dp4tp1": ("veragged", "veragged", (4, 1)),
     }[direction]
     with tempfile.TemporaryDirectory() as path:
         out = get_pool(4).run(_dcp_with_torch, save_impl, load_impl, shape, path)
