@@ -20,10 +20,9 @@ def optimizer(model, opt: str):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
 
 
-def one_process(make_model, batches, steps: int, on_step=None):
+def one_process(make_model, batches, steps: int):
     """Train `make_model()` (seed 0) with SGD in this process, each step on the mean loss over
-    `batches(step)` (one batch per data-parallel rank). Returns the losses and the parameters;
-    `on_step(step, model)` runs after each backward."""
+    `batches(step)` (one batch per data-parallel rank). Returns the losses and the parameters."""
     torch.manual_seed(0)
     model = make_model()
     optim = optimizer(model, "sgd")
@@ -31,8 +30,6 @@ def one_process(make_model, batches, steps: int, on_step=None):
     for step in range(steps):
         loss = torch.stack([model.loss(t) for t in batches(step)]).mean()
         loss.backward()
-        if on_step is not None:
-            on_step(step, model)
         optim.step()
         optim.zero_grad()
         losses.append(loss.detach())

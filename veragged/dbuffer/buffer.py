@@ -138,14 +138,12 @@ class DBuffer(GradientPath):
                 placement = ragged_placement(info.plan_shape, counts)
             b, e = min(max(start, lo), hi), min(max(stop, lo), hi)  # this rank's part, maybe empty
             local = (b - lo, e - lo)
-            held = all(min(stop, (r + 1) * S) > max(start, r * S) for r in range(self.world))
-            entry = _Entry(name, t.shape, start, end, local, placement, held_by_all=held)
+            entry = _Entry(name, t.shape, start, end, local, placement)
             if info is not None:
                 dp = tuple(placement if d == self.shard_dim else Replicate()
                            for d in range(self.mesh.ndim))
                 entry = _Entry(name, info.shape, start, end, local, placement, spmd=info,
-                               used=stop - start, placements=info.placements(dp),
-                               held_by_all=held)
+                               used=stop - start, placements=info.placements(dp))
             self.entries.append(entry)
         return S
 

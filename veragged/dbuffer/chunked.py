@@ -76,14 +76,12 @@ class ChunkedDBuffer(DBuffer):
                     f"{tuple(info.spec.placements)}; chunk another dim"
                 )
             n = math.prod(shape) // P
-            entry = _Entry(name, t.shape, P * off, P * (off + n), (off, off + n), Shard(d),
-                           held_by_all=n > 0)
+            entry = _Entry(name, t.shape, P * off, P * (off + n), (off, off + n), Shard(d))
             if info is not None:
                 dp = tuple(Shard(d) if j == self.shard_dim else Replicate()
                            for j in range(self.mesh.ndim))
                 entry = _Entry(name, info.shape, P * off, P * (off + n), (off, off + n),
-                               Shard(d), spmd=info, placements=info.placements(dp),
-                               held_by_all=n > 0)
+                               Shard(d), spmd=info, placements=info.placements(dp))
             self.entries.append(entry)
             self._chunks.append((math.prod(shape[:d]), shape[d] // P, math.prod(shape[d + 1 :])))
             off += n

@@ -46,10 +46,6 @@ class Entry:
     spmd: "SpmdParam | None" = None
     used: int | None = None
     placements: tuple[Placement, ...] | None = None  # on spmd.mesh
-    # Every rank of the shard dim holds at least one of the tensor's elements: then the
-    # reduce-scatter alone tells each of them whether some rank reached it
-    # ([Note: unreached parameters]); else a has-grad all-reduce does.
-    held_by_all: bool = True
 
     @property
     def stop(self) -> int:

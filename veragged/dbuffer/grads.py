@@ -30,15 +30,14 @@ gradient. This needs a SUM that adds in IEEE arithmetic without a +0.0 identity:
 (tests/fsdp/test_lifecycle.py::test_ranks_using_different_parameters); NCCL's ring and tree
 kernels add the ranks' values the same way (not yet checked on a GPU here). A backend that
 lost the sign would make every parameter read as reached, i.e. zeros instead of None, the same
-on every rank. A rank holding none of a parameter's elements (a small parameter planned whole
-onto one rank, an uneven TP block) sees no mark: when the layout has such a parameter, one
-MAX all-reduce of a has-grad byte per parameter over the group (and the replicate dims) runs
-beside the reduce-scatter, launched with it and read when it finishes, and those parameters
-take its verdict. The layout alone decides whether it runs, so every rank of the group issues
-it or none does; ranks whose data reached different parameters (data-dependent routing,
-experts without tokens) all end with the verdict one process over all their data gives.
-`set_reduce_scatter_unused_params(True)` instead gives every trainable parameter a gradient,
-zeros where none was reached.
+on every rank. A rank holding none of a parameter answers from
+its own backward, which agrees with the others whenever every rank reached the same parameters
+(torch's requirement in this mode); `set_reduce_scatter_unused_params(True)` instead gives every
+trainable parameter a gradient, zeros where none was reached, the same on every rank: the mode
+for data-dependent routing (experts without tokens on some ranks), as with torch's FSDP2. (A
+has-grad all-reduce beside the reduce-scatter would give the None verdict everywhere, but
+backward would then issue a collective torch's does not; carrying the verdicts inside the
+reduce-scatter needs a per-slot region in the layout: not done.)
 """
 
 from __future__ import annotations
@@ -194,9 +193,7 @@ class GradientPath:
             work = dist.reduce_scatter_tensor(
                 reduced, source, op=dist.ReduceOp.SUM, group=self.group, async_op=True
             )
-        flags = self._launch_reached(unreached)
-        self._reduce = (work, source, reduced, direct, accumulate, scale, all_reduce, unreached,
-                        flags)
+        self._reduce = (work, source, reduced, direct, accumulate, scale, all_reduce, unreached)
         if not async_op:
             self.finish_reduce()
 
@@ -215,8 +212,7 @@ class GradientPath:
         """
         if self._reduce is None:
             return [False] * len(self.params)
-        (work, source, reduced, direct, accumulate, scale, all_reduce, unreached,
-         flags) = self._reduce
+        work, source, reduced, direct, accumulate, scale, all_reduce, unreached = self._reduce
         self._reduce = None
         if work is not None:
             work.wait()
@@ -251,8 +247,8 @@ class GradientPath:
             self._shard_grad = aligned_empty(S, self.dtype, self.device, pin_memory=self._pin)
         bind = [True] * len(self.params) if bind is None else list(bind)
         if unreached is not None:
-            reached = self._finish_reached(flags, reduced)
-            bind = [b and (not u or r) for b, u, r in zip(bind, unreached, reached)]
+            bind = [b and (not u or self._reached_elsewhere(e, reduced))
+                    for b, u, e in zip(bind, unreached, self.entries)]
         unbound = [
             (p, e) for p, e, b in zip(self.params, self.entries, bind)
             if b and not self._bound(p)
@@ -283,38 +279,6 @@ class GradientPath:
             p.grad = self._sharded(e, self._shard_grad, requires_grad=False)
         self._free(self._grads)
         return bind
-
-    def _launch_reached(self, unreached: Sequence[bool] | None):
-        """Start the has-grad all-reduce (MAX of one byte per tensor over the shard group) when
-        some tensor has a rank holding none of it, which the reduce-scatter cannot tell whether
-        another rank reached it ([Note: unreached parameters]). Whether it runs depends only on
-        the layout, the same on every rank of the group. Returns (flags, work) or None."""
-        if unreached is None or all(e.held_by_all for e in self.entries):
-            return None
-        flags = torch.tensor([0 if u else 1 for u in unreached], dtype=torch.uint8,
-                             device=self.compute_device)
-        work = None
-        if self.world > 1:
-            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        return flags, work
-
-    def _finish_reached(self, flags, reduced: torch.Tensor) -> list[bool]:
-        """Per tensor, whether some rank of the mesh reached it: from the has-grad all-reduce
-        (finished here, and carried over the replicate dims) for tensors some rank holds none
-        of, from the reduce-scatter's marks for the others."""
-        verdict = None
-        if flags is not None:
-            flags, work = flags
-            if work is not None:
-                work.wait()
-            for d in self._replica_dims():
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.mesh.get_group(d))
-            verdict = flags.tolist()
-        return [
-            bool(verdict[i]) if verdict is not None and not e.held_by_all
-            else self._reached_elsewhere(e, reduced)
-            for i, e in enumerate(self.entries)
-        ]
 
     @staticmethod
     def _reached_elsewhere(e: _Entry, reduced: torch.Tensor) -> bool:

@@ -19,9 +19,10 @@ then shards each expert rank's local experts over the remaining data-parallel ra
 An expert that no token reached on a rank still takes part in the computation with zero rows,
 so its gradient is zeros there, the same kind of value on every rank. With one module per expert
 (`MoEConfig(fused_experts=False)`) each expert-parallel rank holds its own experts' modules and
-skips an expert without tokens, so its gradient is None on that rank: fully_shard then gives it
-a gradient where any rank of its data-parallel group reached it, and None where none did
-([Note: unreached parameters]), as one process over all the ranks' data does.
+skips an expert without tokens, so its gradient is None on that rank; with
+`set_reduce_scatter_unused_params(True)` on the experts' module (as torch's FSDP2 needs when
+ranks reach different parameters) every rank then gets the expert's gradient, zeros where no
+rank reached it ([Note: unreached parameters]).
 """
 
 from __future__ import annotations
