@@ -25,26 +25,35 @@ def _tokens(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, CFG.vocab, (2, 13), generator=g)
 
 
-def _train_moe(impl, ep, steps, opt="adamw", chunk_experts=False):
+def _shard_moe(impl, cfg, ep, chunk_experts=False, unused_params=False):
+    """`cfg`'s MoE under `impl`'s fully_shard in torchtitan's dp_shard_in_ep layout."""
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp_mod_ep", "ep"))
     dp = mesh._flatten("dp")
     torch.manual_seed(0)
-    model = MoE(CFG)
+    model = MoE(cfg)
     expert_parallel(model, mesh["ep"])
     fs = IMPLS[impl]
     for block in model.blocks:
+        experts = block.moe.experts
         # torchtitan chunks the experts' dim 1 over dp when they are fewer than the dp ranks.
-        fs(block.moe.experts, mesh=mesh["dp_mod_ep"],
+        fs(experts, mesh=mesh["dp_mod_ep"],
            shard_placement_fn=(lambda p: Shard(1)) if chunk_experts else None)
         # The all-to-all's backward already summed the ep ranks' contributions: divide the
         # reduced expert gradients by every data-parallel rank, as torchtitan does.
-        block.moe.experts.set_gradient_divide_factor(world)
+        experts.set_gradient_divide_factor(world)
         if ep < world:  # torch: gloo has no PREMUL_SUM. Not on one rank, where torch 2.15
             # divides twice with it (its world-size-1 copy divides, then the post-divide).
-            block.moe.experts.set_force_sum_reduction_for_comms(True)
+            experts.set_force_sum_reduction_for_comms(True)
+        if unused_params:  # torch's FSDP2 needs it when ranks reach different experts
+            experts.set_reduce_scatter_unused_params(True)
         fs(block, mesh=dp)
     fs(model, mesh=dp)
+    return model
+
+
+def _train_moe(impl, ep, steps, opt="adamw", chunk_experts=False):
+    model = _shard_moe(impl, CFG, ep, chunk_experts)
     optim = _optimizer(model, opt)
     losses = []
     for step in range(steps):
@@ -106,44 +115,18 @@ def _sparse_tokens(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, SPARSE.vocab, (1, 6), generator=g)
 
 
-def _global_name(name: str, ep_rank: int, local: int) -> str:
-    """`...experts.experts.<i>...` of ep rank `ep_rank` -> the one-process expert index."""
-    parts = name.split(".")
-    if "experts" in parts and parts[parts.index("experts") + 1] == "experts":
-        k = parts.index("experts") + 2
-        parts[k] = str(ep_rank * local + int(parts[k]))
-    return ".".join(parts)
-
-
 def _train_sparse(impl, steps):
-    world, ep = dist.get_world_size(), 2
-    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp_mod_ep", "ep"))
-    dp = mesh._flatten("dp")
-    torch.manual_seed(0)
-    model = MoE(SPARSE)
-    expert_parallel(model, mesh["ep"])
-    fs = IMPLS[impl]
-    for block in model.blocks:
-        fs(block.moe.experts, mesh=mesh["dp_mod_ep"])
-        block.moe.experts.set_gradient_divide_factor(world)
-        block.moe.experts.set_force_sum_reduction_for_comms(True)  # torch: gloo, no PREMUL_SUM
-        # torch's FSDP2 needs it when ranks reach different experts
-        block.moe.experts.set_reduce_scatter_unused_params(True)
-        fs(block, mesh=dp)
-    fs(model, mesh=dp)
+    model = _shard_moe(impl, SPARSE, 2, unused_params=True)
     optim = _optimizer(model, "sgd")
-    ep_rank, local = mesh["ep"].get_local_rank(), SPARSE.experts // ep
     losses, nones = [], []
-    for step in range(3):
+    for step in range(steps):
         loss = model.loss(_sparse_tokens(step, dist.get_rank()))
         loss.backward()
-        nones.append({_global_name(n, ep_rank, local): p.grad is None
-                      for n, p in model.named_parameters()})
+        nones.append({n: p.grad is None for n, p in model.named_parameters()})
         optim.step()
         optim.zero_grad()
         losses.append(loss.detach())
-    params = {_global_name(n, ep_rank, local): _full(p) for n, p in model.named_parameters()}
-    return losses, params, nones
+    return losses, {n: _full(p) for n, p in model.named_parameters()}, nones
 
 
 @pytest.mark.skipif(not TORCH_HAS_UNUSED_PARAMS_MODE,

@@ -114,7 +114,8 @@ class DBuffer(GradientPath):
             with torch.no_grad():
                 for e, (_, t) in zip(self.entries, tensors):
                     b, n = e.local[0], e.local[1] - e.local[0]
-                    if n:
+                    if n:  # a TP parameter: its local block ([Note: FSDP over TP])
+                        t = t._local_tensor if isinstance(t, DTensor) else t
                         shard[b : b + n].copy_(self._local_part(e, t.detach()))
         self.params = self._make_buffers(shard)
         self._gather_work = None
@@ -137,22 +138,21 @@ class DBuffer(GradientPath):
                 stop = start + math.prod(info.local_shape)
                 placement = ragged_placement(info.plan_shape, counts)
             b, e = min(max(start, lo), hi), min(max(stop, lo), hi)  # this rank's part, maybe empty
-            local = (b - lo, e - lo)
-            entry = _Entry(name, t.shape, start, end, local, placement)
-            if info is not None:
-                dp = tuple(placement if d == self.shard_dim else Replicate()
-                           for d in range(self.mesh.ndim))
-                entry = _Entry(name, info.shape, start, end, local, placement, spmd=info,
-                               used=stop - start, placements=info.placements(dp))
-            self.entries.append(entry)
+            self.entries.append(self._entry(name, t, start, end, (b - lo, e - lo), placement,
+                                            info, stop - start))
         return S
+
+    def _entry(self, name, t, start, end, local, placement, info, used) -> _Entry:
+        """The record of tensor `t` at [start, end) (a TP one on the combined mesh)."""
+        if info is None:
+            return _Entry(name, t.shape, start, end, local, placement)
+        return _Entry(name, info.shape, start, end, local, placement, spmd=info, used=used,
+                      placements=info.placements(self._dp_placements(placement)))
 
     def _local_part(self, e: _Entry, t: torch.Tensor) -> torch.Tensor:
         """This rank's elements of tensor `t` (entry `e`), flat, in shard order."""
         b, n = e.local[0], e.local[1] - e.local[0]
         first = self.rank * self.shard_size + b - e.start
-        if isinstance(t, DTensor):  # a TP parameter: its local block
-            t = t._local_tensor
         return t.reshape(-1)[first : first + n]
 
     def _make_buffers(self, shard: torch.Tensor) -> list[torch.nn.Parameter]:
@@ -172,13 +172,7 @@ class DBuffer(GradientPath):
         params = [self._sharded(e, shard, requires_grad=True) for e in self.entries]
         self._unsharded = torch.empty(self.world * S, dtype=self.param_dtype,
                                       device=self.compute_device)
-        self.unsharded_params = [
-            self._unsharded[e.start : e.stop].view(e.view_shape) for e in self.entries
-        ]
-        self.unsharded_params = [  # TP parameters: DTensors on the TP mesh
-            v if e.spmd is None else e.spmd.unsharded(v)
-            for v, e in zip(self.unsharded_params, self.entries)
-        ]
+        self.unsharded_params = [self._unsharded_param(e) for e in self.entries]
         self._free(self._unsharded)
         # Gradients land in the reduce dtype, as torch's FSDP2 copies them into its reduce-scatter
         # input (and accumulates no-sync micro-batches) in it: [Note: gradient landing].
@@ -196,6 +190,11 @@ class DBuffer(GradientPath):
         self._partial: torch.Tensor | None = None  # HSDP sum awaiting its all-reduce
         self._gather_keep = None
         return params
+
+    def _unsharded_param(self, e: _Entry) -> torch.Tensor:
+        """Tensor `e`'s view of the unsharded buffer (a TP one: a DTensor on the TP mesh)."""
+        view = self._unsharded[e.start : e.stop].view(e.view_shape)
+        return view if e.spmd is None else e.spmd.unsharded(view)
 
     def apply_(self, fn) -> bool:
         """Run a module `_apply` function (`.to()`, `.double()`, `to_empty`) on the group.
@@ -280,15 +279,21 @@ class DBuffer(GradientPath):
     def placements(self, e: _Entry) -> tuple[Placement, ...]:
         if e.placements is not None:  # on the TP-combined mesh: [Note: FSDP over TP]
             return e.placements
-        return tuple(
-            e.placement if d == self.shard_dim else Replicate() for d in range(self.mesh.ndim)
-        )
+        return self._dp_placements(e.placement)
+
+    def _dp_placements(self, placement: Placement) -> tuple[Placement, ...]:
+        """`placement` on the shard dim, Replicate on the others (HSDP)."""
+        return tuple(placement if d == self.shard_dim else Replicate()
+                     for d in range(self.mesh.ndim))
+
+    def spec_mesh(self, e: _Entry) -> DeviceMesh:
+        """The mesh of tensor `e`'s sharded DTensor (the TP-combined one for a TP tensor)."""
+        return self.mesh if e.spmd is None else e.spmd.mesh
 
     def _shard_view(self, e: _Entry, buf: torch.Tensor) -> DTensor:
         """Tensor `e`'s sharded DTensor over `buf` (the shard or the shard gradient)."""
         local = buf[e.local[0] : e.local[1]]
-        mesh = self.mesh if e.spmd is None else e.spmd.mesh
-        spec = make_spec(mesh, self.placements(e), e.shape, buf.dtype)
+        spec = make_spec(self.spec_mesh(e), self.placements(e), e.shape, buf.dtype)
         return RaggedDTensor(local, spec, requires_grad=False)
 
     def _sharded(self, e: _Entry, buf: torch.Tensor, requires_grad: bool) -> torch.Tensor:

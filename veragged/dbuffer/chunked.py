@@ -30,7 +30,7 @@ import math
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.distributed.tensor.placement_types import Shard
 
 from veragged.dbuffer.buffer import DBuffer
 from veragged.dbuffer.entries import Entry as _Entry
@@ -76,29 +76,21 @@ class ChunkedDBuffer(DBuffer):
                     f"{tuple(info.spec.placements)}; chunk another dim"
                 )
             n = math.prod(shape) // P
-            entry = _Entry(name, t.shape, P * off, P * (off + n), (off, off + n), Shard(d))
-            if info is not None:
-                dp = tuple(Shard(d) if j == self.shard_dim else Replicate()
-                           for j in range(self.mesh.ndim))
-                entry = _Entry(name, info.shape, P * off, P * (off + n), (off, off + n),
-                               Shard(d), spmd=info, placements=info.placements(dp))
-            self.entries.append(entry)
+            self.entries.append(self._entry(name, t, P * off, P * (off + n), (off, off + n),
+                                            Shard(d), info, None))
             self._chunks.append((math.prod(shape[:d]), shape[d] // P, math.prod(shape[d + 1 :])))
             off += n
         self._used = off
         return max(align, -(-off // align) * align)
 
     def _local_part(self, e: _Entry, t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, DTensor):  # a TP parameter: chunks of its local block
-            t = t._local_tensor
         return t.chunk(self.world, dim=e.placement.dim)[self.rank].reshape(-1)
 
     def _shard_view(self, e: _Entry, buf: torch.Tensor) -> DTensor:
         shape = list(e.view_shape)
         shape[e.placement.dim] //= self.world
         local = buf[e.local[0] : e.local[1]].view(shape)
-        mesh = self.mesh if e.spmd is None else e.spmd.mesh
-        spec = make_spec(mesh, self.placements(e), e.shape, buf.dtype)
+        spec = make_spec(self.spec_mesh(e), self.placements(e), e.shape, buf.dtype)
         return DTensor(local, spec, requires_grad=False)
 
     # --- the two layouts ---------------------------------------------------------------------

@@ -46,7 +46,9 @@ from veragged.placement.layout import normalize_placements
 
 __all__ = ["SpmdParam", "spmd_param", "tp_block_size"]
 
-_MESHES: dict[tuple, DeviceMesh] = {}
+# (id(dp mesh), id(tp mesh)) -> (combined mesh, dp mesh, tp mesh): one combined mesh per pair,
+# so sharded parameters share it (specs are cached by mesh identity).
+_MESHES: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh, DeviceMesh]] = {}
 
 
 @dataclass(frozen=True)

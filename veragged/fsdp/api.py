@@ -401,11 +401,11 @@ def fully_shard(
                 f"parameter {fqn!r} is already sharded by fully_shard ({p.placements}); "
                 "apply fully_shard once per parameter"
             )
-        if isinstance(p, DTensor) and _MANAGED.get(id(p)) is not p:
-            spmd[id(p)] = spmd_param(fqn, p, mesh)
         if _MANAGED.get(id(p)) is p:
             shared.append(fqn)
             continue
+        if isinstance(p, DTensor):
+            spmd[id(p)] = spmd_param(fqn, p, mesh)
         if p.ndim == 0:
             raise ValueError(
                 f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor "
@@ -432,14 +432,14 @@ def fully_shard(
         tensors = [(fqn, p.detach()) for fqn, p, _ in entries]
         policy = dict(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
                       offload=offload, pin_memory=offload and offload_policy.pin_memory)
+        infos = [spmd.get(id(p)) for _, p, _ in entries]
         if chunked:
             buffer = ChunkedDBuffer(tensors, mesh, dims=[dims[id(p)] for _, p, _ in entries],
-                                    spmd=[spmd.get(id(p)) for _, p, _ in entries], **policy)
+                                    spmd=infos, **policy)
         else:
-            blocks = [_block_size(f, p, granularity_fn, dims[id(p)], spmd.get(id(p)))
-                      for f, p, _ in entries]
-            buffer = DBuffer(tensors, mesh, block_sizes=blocks,
-                             spmd=[spmd.get(id(p)) for _, p, _ in entries], **policy)
+            blocks = [_block_size(f, p, granularity_fn, dims[id(p)], info)
+                      for (f, p, _), info in zip(entries, infos)]
+            buffer = DBuffer(tensors, mesh, block_sizes=blocks, spmd=infos, **policy)
         for sharded, (_, p, _) in zip(buffer.params, entries):
             with torch._C.DisableTorchFunctionSubclass():  # no ragged accumulation hooks
                 sharded.requires_grad_(p.requires_grad)
