@@ -2,40 +2,16 @@
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
-from torch.optim import Optimizer
 
-from veragged.optim.common import GradPresence, check_grad_agreement, local, local_grads
-from veragged.optim.exchange import Exchange, MatrixLayout, matrix_layout
+from veragged.optim.common import local
+from veragged.optim.engine import Matrix, MatrixOptimizer
 from veragged.optim.newton_schulz import DEFAULT_COEFFICIENTS, adjusted_lr, orthogonalize
-from veragged.optim.owners import OwnerPlan, plan_owners
-from veragged.optim.pieces import check_placements
-from veragged.placement.collectives import all_gather
+from veragged.optim.pieces import MatrixLayout
 
 __all__ = ["Muon"]
-
-STRATEGIES = ("lpt", "alpha", "naive", "replicated")
-
-
-@dataclass
-class _Matrix:
-    """One Muon parameter as the step sees it."""
-
-    param: torch.Tensor
-    group: dict[str, Any]
-    layout: MatrixLayout
-    blocks: tuple[tuple[int, int, float], ...]  # per row block met locally: local [b, e), lr scale
-
-    def apply(self, piece: torch.Tensor, lr: float) -> None:
-        """p -= lr_block * update on this rank's piece, `piece` being the update's elements
-        there (flat, in the local tensor's order)."""
-        flat = local(self.param).view(-1)
-        for begin, end, scale in self.blocks:
-            flat[begin:end].add_(piece[begin:end], alpha=-lr * scale)
 
 
 def _local_blocks(layout: MatrixLayout, shape, splits, scales) -> tuple:
@@ -60,16 +36,7 @@ def _local_blocks(layout: MatrixLayout, shape, splits, scales) -> tuple:
     return tuple(out)
 
 
-@dataclass
-class _Domain:
-    """The Muon matrices of one domain process group (None: whole on every rank) and their plan."""
-
-    matrices: list[_Matrix]
-    plan: OwnerPlan | None
-    exchange: Exchange | None
-
-
-class Muon(Optimizer):
+class Muon(MatrixOptimizer):
     """Muon (momentum, then Newton-Schulz orthogonalisation) with AdamW for non-matrix params.
 
     Semantics follow `torch.optim.Muon` (and Keller Jordan's reference) per 2-D parameter:
@@ -114,6 +81,8 @@ class Muon(Optimizer):
     ranks agree is `grad_agreement`'s ("auto", "mesh" or "local").
     """
 
+    _NAME = "Muon"
+
     def __init__(
         self,
         params: Iterable,
@@ -135,128 +104,63 @@ class Muon(Optimizer):
         capacity: int | None = None,
         grad_agreement: str = "auto",
     ):
-        self.grad_agreement = check_grad_agreement("Muon", grad_agreement)
-        if owners not in STRATEGIES:
-            raise ValueError(f"owners must be one of {STRATEGIES}, got {owners!r}")
-        self.ns_dtype, self.owners, self.cost = ns_dtype, owners, cost
-        self.alpha, self.capacity = alpha, capacity
-        self.owner_plans: list[OwnerPlan] = []
-        self._domains: list[_Domain] | None = None
+        if cost not in ("flops", "numel"):
+            raise ValueError(f"Muon: cost must be 'flops' or 'numel', got {cost!r}")
+        self.ns_dtype, self.cost = ns_dtype, cost
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), adamw_eps=adamw_eps,
             use_muon=None, split_sizes=None,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, owners=owners, alpha=alpha, capacity=capacity,
+                         grad_agreement=grad_agreement)
 
-    # --- groups and state ----------------------------------------------------------------------
+    # --- engine hooks ([Note: matrix optimizer engine]) -----------------------------------------
 
-    @staticmethod
-    def _uses_muon(group: dict, p: torch.Tensor) -> bool:
+    def _is_matrix(self, group: dict, p: torch.Tensor) -> bool:
         return p.ndim == 2 if group["use_muon"] is None else bool(group["use_muon"])
 
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
+    def _validate_group(self, group: dict) -> None:
         _validate(group)
-        for i, p in enumerate(group["params"]):
-            muon = self._uses_muon(group, p)
-            if muon and p.ndim != 2:
-                raise ValueError(
-                    f"use_muon=True needs 2-D parameters; param {i} of group "
-                    f"{len(self.param_groups) - 1} has shape {list(p.shape)}"
-                )
-            split = group["split_sizes"]
-            if muon and split is not None and sum(split) != p.shape[0]:
-                raise ValueError(
-                    f"split_sizes={list(split)} must sum to the rows of every matrix of the "
-                    f"group; param {i} has shape {list(p.shape)}"
-                )
-            if muon:
-                check_placements(p)  # unsupported placements raise here, not at the first step
-            # State exists for every parameter on every rank from the start (checkpoints see
-            # the same keys everywhere, and the first step allocates nothing).
-            state = self.state[p]
-            if muon:
-                state.setdefault("momentum_buffer", torch.zeros_like(p))
-            else:
-                state.setdefault("step", torch.tensor(0.0))
-                state.setdefault("exp_avg", torch.zeros_like(p))
-                state.setdefault("exp_avg_sq", torch.zeros_like(p))
-        self._domains = None  # the owner plan covers all groups: rebuild it
 
-    # --- the plan ------------------------------------------------------------------------------
+    def _check_matrix(self, group: dict, p: torch.Tensor, index: str) -> None:
+        if p.ndim != 2:
+            raise ValueError(f"use_muon=True needs 2-D parameters; {index} has shape "
+                             f"{list(p.shape)}")
+        split = group["split_sizes"]
+        if split is not None and sum(split) != p.shape[0]:
+            raise ValueError(
+                f"split_sizes={list(split)} must sum to the rows of every matrix of the "
+                f"group; {index.split(' of ')[0]} has shape {list(p.shape)}"
+            )
 
-    def _matrix(self, group: dict, p: torch.Tensor) -> _Matrix:
+    def _init_state(self, p: torch.Tensor, group: dict, matrix: bool) -> None:
+        # State exists for every parameter on every rank from the start (checkpoints see
+        # the same keys everywhere, and the first step allocates nothing).
+        state = self.state[p]
+        if matrix:
+            state.setdefault("momentum_buffer", torch.zeros_like(p))
+        else:
+            state.setdefault("step", torch.tensor(0.0))
+            state.setdefault("exp_avg", torch.zeros_like(p))
+            state.setdefault("exp_avg_sq", torch.zeros_like(p))
+
+    def _plan_options(self, group: dict) -> dict:
+        return dict(cost=self.cost)
+
+    def _plan_blocks(self, m: Matrix):
+        return m.group["split_sizes"]
+
+    def _make_extra(self, group: dict, p: torch.Tensor, layout):
         rows, cols = p.shape
         splits = tuple(group["split_sizes"] or (rows,))
         scales = [adjusted_lr(1.0, group["adjust_lr_fn"], r, cols) for r in splits]
-        layout = matrix_layout(p)
-        return _Matrix(p, group, layout, _local_blocks(layout, p.shape, splits, scales))
+        return _local_blocks(layout, p.shape, splits, scales)
 
-    def _build_domains(self) -> list[_Domain]:
-        by_group: dict[Any, list[_Matrix]] = {}
-        buckets: dict[Any, list[int]] = {}
-        for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                if self._uses_muon(group, p):
-                    m = self._matrix(group, p)
-                    by_group.setdefault(m.layout.group, []).append(m)
-                    buckets.setdefault(m.layout.group, []).append(gi)
-        domains, self.owner_plans = [], []
-        for pg, matrices in by_group.items():  # first-appearance order: the same on every rank
-            if pg is None or self.owners == "replicated":
-                domains.append(_Domain(matrices, None, None))
-                continue
-            plan = plan_owners(
-                [tuple(m.param.shape) for m in matrices],
-                matrices[0].layout.world,
-                strategy=self.owners,
-                cost=self.cost,
-                alpha=self.alpha,
-                capacity=self.capacity,
-                split_sizes=[m.group["split_sizes"] for m in matrices],
-                buckets=buckets[pg],
-            )
-            self.owner_plans.append(plan)
-            exchange = Exchange(pg, [m.layout for m in matrices], plan.owners)
-            domains.append(_Domain(matrices, plan, exchange))
-        return domains
-
-    # --- the step ------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._domains is None:
-            self._domains = self._build_domains()
-        params = [p for g in self.param_groups for p in g["params"]]
-        presence = GradPresence(params, self.grad_agreement)
-        grads = dict(zip(map(id, params), local_grads(params, presence.verdicts())))
-        updates: dict[int, torch.Tensor] = {}  # id(param) -> local momentum update
-        for group in self.param_groups:
-            for p in group["params"]:
-                g = grads[id(p)]
-                if g is None:
-                    continue
-                if self._uses_muon(group, p):
-                    updates[id(p)] = self._momentum(p, g, group)
-                else:
-                    _adamw(p, g, self.state[p], group)
-        for domain in self._domains:
-            if domain.exchange is None:
-                self._step_whole(domain, updates)
-            else:
-                self._step_owned(domain, updates)
-        presence.finish()
-        return loss
-
-    def _momentum(self, p: torch.Tensor, g: torch.Tensor, group: dict) -> torch.Tensor:
+    def _prepare(self, m: Matrix, g: torch.Tensor) -> torch.Tensor:
         """Momentum and weight decay on the local shard; returns the update to orthogonalise."""
+        p, group = m.param, m.group
         mu = group["momentum"]
         buf = local(self.state[p]["momentum_buffer"])
         buf.lerp_(g, 1 - mu)
@@ -264,12 +168,12 @@ class Muon(Optimizer):
         local(p).mul_(1 - group["lr"] * group["weight_decay"])
         return update
 
-    def _ns_dtype(self, device: torch.device) -> torch.dtype:
+    def _update_dtype(self, device: torch.device) -> torch.dtype:
         if self.ns_dtype is not None:
             return self.ns_dtype
         return torch.bfloat16 if device.type == "cuda" else torch.float32
 
-    def _orthogonalize(self, m: _Matrix, full: torch.Tensor) -> torch.Tensor:
+    def _compute(self, m: Matrix, full: torch.Tensor) -> torch.Tensor:
         """The flat, contiguous orthogonalised update of matrix `m` from its full flat values."""
         g = m.group
         blocks = orthogonalize(
@@ -278,58 +182,22 @@ class Muon(Optimizer):
             coefficients=g["ns_coefficients"],
             steps=g["ns_steps"],
             eps=g["eps"],
-            dtype=self._ns_dtype(full.device),
+            dtype=self._update_dtype(full.device),
         )
         if len(blocks) == 1:
             return blocks[0].reshape(-1)
         return torch.cat([b.reshape(-1) for b in blocks])
 
-    def _step_whole(self, domain: _Domain, updates: dict[int, torch.Tensor]) -> None:
-        """Matrices every rank has whole (plain tensors, replicated DTensors), or with
-        owners="replicated": gather each to every rank and orthogonalise it everywhere."""
-        for m in domain.matrices:
-            u = updates.get(id(m.param))
-            if u is None:
-                continue
-            lay = m.layout
-            if lay.group is not None:
-                bounds = (0, *itertools.accumulate(lay.sizes))  # pieces in rank order
-                u = all_gather(u, bounds, lay.group, (lay.numel,)).finish()
-                if not lay.in_rank_order:
-                    u = lay.assemble(u.split(lay.sizes))
-            ortho = self._orthogonalize(m, u.reshape(-1))
-            m.apply(lay.mine(ortho) if lay.group is not None else ortho, m.group["lr"])
+    def _apply(self, m: Matrix, piece: torch.Tensor) -> None:
+        """p -= lr_block * update on this rank's piece, `piece` being the update's elements
+        there (flat, in the local tensor's order)."""
+        flat = local(m.param).view(-1)
+        lr = m.group["lr"]
+        for begin, end, scale in m.extra:
+            flat[begin:end].add_(piece[begin:end], alpha=-lr * scale)
 
-    def _step_owned(self, domain: _Domain, updates: dict[int, torch.Tensor]) -> None:
-        """Owners orthogonalise; micro-groups pipelined ([Note: Muon matrix exchange])."""
-        ex, matrices = domain.exchange, domain.matrices
-        index = {id(m.param): i for i, m in enumerate(matrices)}
-        groups = [
-            [i for i in group if id(matrices[i].param) in updates] for group in domain.plan.groups
-        ]
-        groups = [g for g in groups if g]  # the same on every rank (the mask is symmetric)
-        if not groups:
-            return
-        pieces = {index[k]: u for k, u in updates.items() if k in index}
-        device = next(iter(pieces.values())).device
-        like = torch.empty(0, dtype=self._ns_dtype(device), device=device)
-        gathering = ex.gather(groups[0], pieces)
-        scattering = None
-        for k, items in enumerate(groups):
-            fulls = gathering.wait()
-            if k + 1 < len(groups):
-                gathering = ex.gather(groups[k + 1], pieces)
-            ortho = {i: self._orthogonalize(matrices[i], f) for i, f in fulls.items()}
-            launched = ex.scatter(items, ortho, like)
-            if scattering is not None:
-                self._apply(matrices, scattering)
-            scattering = launched
-        self._apply(matrices, scattering)
-
-    @staticmethod
-    def _apply(matrices: list[_Matrix], scattering) -> None:
-        for i, piece in scattering.wait().items():
-            matrices[i].apply(piece, matrices[i].group["lr"])
+    def _step_elementwise(self, p: torch.Tensor, g: torch.Tensor, group: dict) -> None:
+        _adamw(p, g, self.state[p], group)
 
 
 def _adamw(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict) -> None:

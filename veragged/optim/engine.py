@@ -1,0 +1,337 @@
+"""`MatrixOptimizer`: the owner engine Muon, Shampoo and SOAP share.
+
+[Note: matrix optimizer engine]
+A matrix optimizer updates each 2-D parameter from the whole matrix (Newton-Schulz, Kronecker
+factors and their roots or eigenbases), while FSDP, TP and EP leave every rank a piece of it
+([Note: optimizer pieces on N-D meshes]). The engine runs every such optimizer the same way:
+1. grad presence: the ranks of each parameter's mesh agree whether it has a gradient anywhere
+   ([Note: symmetric grad presence]); parameters nobody has a gradient for are skipped, state
+   and all, on every rank;
+2. local work: each matrix's `_prepare` turns this rank's gradient piece into the piece to send
+   (Muon: momentum and weight decay on the local shard; Shampoo and SOAP: the gradient itself);
+   parameters the optimizer treats elementwise (1-D, embeddings for Muon) are stepped locally
+   by `_step_elementwise`;
+3. ownership: on each domain group every matrix has one owner rank from the C++ plan
+   ([Note: matrix owner plan]) under the optimizer's own cost model; matrices travel whole to
+   their owners in micro-groups, one all-to-all each, and updates come back the same way, the
+   next micro-group's gather overlapping the current one's compute ([Note: Muon matrix
+   exchange]);
+4. owner compute: `_compute` maps the whole (flat) matrix to its whole (flat) update; it may
+   read and write the matrix's *owner state*, tensors that exist whole on the owner only
+   ([Note: owner-resident state]); `_has_update` (a function of symmetric step counters only)
+   says whether the matrix sends an update back this step (SOAP's first step does not);
+5. apply: `_apply` writes this rank's piece of the update into its shard.
+Plain tensors and replicated DTensors are whole on every rank: every rank computes them, with
+the same kernels. `owners="replicated"` gathers every matrix to every rank and computes it
+everywhere (what DDP-style implementations do; Canzona's SC baseline). The owner runs exactly
+the kernels a single process runs on the same whole matrix, so distributed results are bitwise
+the single-process ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch.optim import Optimizer
+
+from veragged.optim.common import GradPresence, check_grad_agreement, local, local_grads
+from veragged.optim.exchange import Exchange, MatrixLayout, matrix_layout
+from veragged.optim.owner_state import OwnerResidence, residence
+from veragged.optim.owners import OwnerPlan, plan_owners
+from veragged.optim.pieces import check_placements
+from veragged.placement.collectives import all_gather
+
+__all__ = ["Matrix", "MatrixOptimizer", "STRATEGIES"]
+
+STRATEGIES = ("lpt", "alpha", "naive", "replicated")
+
+
+@dataclass(eq=False)
+class Matrix:
+    """One 2-D parameter the engine steps: its group, its pieces on its domain and where its
+    owner state lives. `extra` is the optimizer's own per-matrix data."""
+
+    param: torch.Tensor
+    group: dict[str, Any]
+    layout: MatrixLayout
+    owner: int | None = None  # its owner's index on the domain group (None: every rank)
+    home: OwnerResidence | None = None  # where its owner state lives, if it has any
+    extra: Any = None
+
+
+@dataclass
+class _Domain:
+    """The matrices of one domain process group (None: whole on every rank) and their plan."""
+
+    matrices: list[Matrix]
+    plan: OwnerPlan | None
+    exchange: Exchange | None
+    index: dict[int, int] = field(default_factory=dict)  # id(param) -> position
+
+
+class MatrixOptimizer(Optimizer):
+    """Base class of the matrix optimizers ([Note: matrix optimizer engine]).
+
+    Subclasses supply the per-matrix math (`_prepare`, `_compute`, `_apply`), the elementwise
+    step for the other parameters, which parameters are matrices, their state and the cost
+    model the owner plan balances (`_plan_options`).
+    """
+
+    _NAME = "MatrixOptimizer"
+
+    def __init__(
+        self,
+        params: Iterable,
+        defaults: dict,
+        *,
+        owners: str = "lpt",
+        alpha: float = 1.0,
+        capacity: int | None = None,
+        grad_agreement: str = "auto",
+    ):
+        self.grad_agreement = check_grad_agreement(self._NAME, grad_agreement)
+        if owners not in STRATEGIES:
+            raise ValueError(f"{self._NAME}: owners must be one of {STRATEGIES}, got {owners!r}")
+        self.owners, self.alpha, self.capacity = owners, alpha, capacity
+        self.owner_plans: list[OwnerPlan] = []
+        self._domains: list[_Domain] | None = None
+        self._building = True
+        super().__init__(params, defaults)
+        self._building = False
+        self._domains = self._build_domains()  # owner state exists from the start
+
+    # --- hooks ---------------------------------------------------------------------------------
+
+    def _is_matrix(self, group: dict, p: torch.Tensor) -> bool:
+        raise NotImplementedError
+
+    def _validate_group(self, group: dict) -> None:
+        """Raise ValueError naming a bad hyper-parameter of `group`."""
+
+    def _check_matrix(self, group: dict, p: torch.Tensor, index: str) -> None:
+        """Raise ValueError for a matrix this optimizer cannot take (`index` names it)."""
+        if p.ndim != 2:
+            raise ValueError(f"{self._NAME}: matrix parameters must be 2-D; {index} has shape "
+                             f"{list(p.shape)}")
+
+    def _init_state(self, p: torch.Tensor, group: dict, matrix: bool) -> None:
+        """Create the state that is sharded like `p` (every rank, from the start)."""
+
+    def _owner_state(self, m: Matrix) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of the state the owner holds whole ([Note: owner-resident
+        state])."""
+        return {}
+
+    def _plan_options(self, group: dict) -> dict:
+        """plan_owners keyword arguments (cost model and its parameters) for `group`'s
+        matrices; every matrix of one domain must give the same cost options."""
+        return {}
+
+    def _make_extra(self, group: dict, p: torch.Tensor, layout: MatrixLayout) -> Any:
+        return None
+
+    def _plan_blocks(self, m: Matrix):
+        """The row-block sizes plan_owners costs separately (None: the whole matrix)."""
+        return None
+
+    def _prepare(self, m: Matrix, g: torch.Tensor) -> torch.Tensor:
+        """This rank's piece to send, from its local gradient `g`."""
+        raise NotImplementedError
+
+    def _compute(self, m: Matrix, full: torch.Tensor) -> torch.Tensor:
+        """The flat, contiguous update of `m` from the whole flat `full`; runs where `m.mine`."""
+        raise NotImplementedError
+
+    def _has_update(self, m: Matrix) -> bool:
+        """Whether `m` sends an update back this step (symmetric on every rank)."""
+        return True
+
+    def _apply(self, m: Matrix, piece: torch.Tensor) -> None:
+        """Write this rank's flat `piece` of the update into its shard."""
+        raise NotImplementedError
+
+    def _after_matrix(self, m: Matrix) -> None:
+        """Per stepped matrix, on every rank, after its update (step counters)."""
+
+    def _step_elementwise(self, p: torch.Tensor, g: torch.Tensor, group: dict) -> None:
+        raise NotImplementedError
+
+    def _update_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype updates travel in."""
+        return torch.float32
+
+    # --- groups and state ----------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        group = self.param_groups[gi]
+        self._validate_group(group)
+        for i, p in enumerate(group["params"]):
+            matrix = self._is_matrix(group, p)
+            if matrix:
+                self._check_matrix(group, p, f"param {i} of group {gi}")
+                check_placements(p)  # unsupported placements raise here, not at the first step
+            self._init_state(p, group, matrix)
+        if not self._building:  # the plan covers every group: rebuild it, moving owner state
+            self._domains = self._build_domains()
+
+    def owned_state(self, m: Matrix, name: str) -> torch.Tensor:
+        """The owner's whole `name` tensor of `m`, in its shape (only where `m.mine`)."""
+        value = local(self.state[m.param][name])
+        return value.view(self._owner_state(m)[name][0])
+
+    # --- the plan ------------------------------------------------------------------------------
+
+    def matrices(self) -> list[Matrix]:
+        """Every matrix the engine steps, domain by domain."""
+        return [m for d in self._domains or () for m in d.matrices]
+
+    def _build_domains(self) -> list[_Domain]:
+        by_group: dict[Any, list[Matrix]] = {}
+        buckets: dict[Any, list[int]] = {}
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if self._is_matrix(group, p):
+                    layout = matrix_layout(p)
+                    m = Matrix(p, group, layout, extra=self._make_extra(group, p, layout))
+                    by_group.setdefault(layout.group, []).append(m)
+                    buckets.setdefault(layout.group, []).append(gi)
+        domains, self.owner_plans = [], []
+        for pg, matrices in by_group.items():  # first-appearance order: the same on every rank
+            plan = exchange = None
+            if pg is not None and self.owners != "replicated":
+                options = self._plan_options(matrices[0].group)  # [Note: matrix owner plan]
+                plan = plan_owners(
+                    [tuple(m.param.shape) for m in matrices],
+                    matrices[0].layout.world,
+                    strategy=self.owners,
+                    alpha=self.alpha,
+                    capacity=self.capacity,
+                    split_sizes=[self._plan_blocks(m) for m in matrices],
+                    buckets=buckets[pg],
+                    **options,
+                )
+                self.owner_plans.append(plan)
+                exchange = Exchange(pg, [m.layout for m in matrices], plan.owners)
+            for i, m in enumerate(matrices):
+                m.owner = None if plan is None else plan.owners[i]
+                if self._owner_state(m):
+                    m.home = residence(m.param, m.owner)
+                    self._place_owner_state(m)
+            index = {id(m.param): i for i, m in enumerate(matrices)}
+            domains.append(_Domain(matrices, plan, exchange, index))
+        return domains
+
+    def _place_owner_state(self, m: Matrix) -> None:
+        """Create `m`'s owner state where the plan puts it, or move it there (a changed plan,
+        or state loaded from another plan: [Note: owner-resident state])."""
+        state = self.state[m.param]
+        for name, (shape, dtype) in self._owner_state(m).items():
+            value = state.get(name)
+            if value is None:
+                state[name] = m.home.zeros(shape, dtype)
+            else:
+                state[name] = m.home.adopt(value, shape, dtype, name)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        for m in self.matrices():  # the same order on every rank
+            self._place_owner_state(m)
+
+    # --- the step ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._domains is None:
+            self._domains = self._build_domains()
+        params = [p for g in self.param_groups for p in g["params"]]
+        presence = GradPresence(params, self.grad_agreement)
+        grads = dict(zip(map(id, params), local_grads(params, presence.verdicts())))
+        pieces: dict[int, torch.Tensor] = {}  # id(param) -> local piece to send
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = grads[id(p)]
+                if g is None:
+                    continue
+                if not self._is_matrix(group, p):
+                    self._step_elementwise(p, g, group)
+        for domain in self._domains:
+            for m in domain.matrices:
+                g = grads[id(m.param)]
+                if g is not None:
+                    pieces[id(m.param)] = self._prepare(m, g)
+            if domain.exchange is None:
+                self._step_whole(domain, pieces)
+            else:
+                self._step_owned(domain, pieces)
+        presence.finish()
+        return loss
+
+    def _finish(self, m: Matrix, update: torch.Tensor | None) -> None:
+        if update is not None:
+            self._apply(m, update)
+        self._after_matrix(m)
+
+    def _step_whole(self, domain: _Domain, pieces: dict[int, torch.Tensor]) -> None:
+        """Matrices every rank has whole (plain tensors, replicated DTensors), or with
+        owners="replicated": gather each to every rank and compute it everywhere."""
+        for m in domain.matrices:
+            u = pieces.get(id(m.param))
+            if u is None:
+                continue
+            lay = m.layout
+            if lay.group is not None:
+                bounds = (0, *itertools.accumulate(lay.sizes))  # pieces in rank order
+                u = all_gather(u, bounds, lay.group, (lay.numel,)).finish()
+                if not lay.in_rank_order:
+                    u = lay.assemble(u.split(lay.sizes))
+            sends = self._has_update(m)
+            full = self._compute(m, u.reshape(-1))
+            if not sends:
+                self._finish(m, None)
+            else:
+                self._finish(m, lay.mine(full) if lay.group is not None else full)
+
+    def _step_owned(self, domain: _Domain, pieces: dict[int, torch.Tensor]) -> None:
+        """Owners compute; micro-groups pipelined ([Note: Muon matrix exchange])."""
+        ex, matrices, index = domain.exchange, domain.matrices, domain.index
+        groups = [[i for i in g if id(matrices[i].param) in pieces] for g in domain.plan.groups]
+        groups = [g for g in groups if g]  # the same on every rank (the mask is symmetric)
+        if not groups:
+            return
+        local_pieces = {index[k]: u for k, u in pieces.items() if k in index}
+        device = next(iter(local_pieces.values())).device
+        like = torch.empty(0, dtype=self._update_dtype(device), device=device)
+        gathering = ex.gather(groups[0], local_pieces)
+        scattering = None
+        for k, items in enumerate(groups):
+            fulls = gathering.wait()
+            if k + 1 < len(groups):
+                gathering = ex.gather(groups[k + 1], local_pieces)
+            sending = [i for i in items if self._has_update(matrices[i])]
+            updates = {}
+            for i, f in fulls.items():
+                u = self._compute(matrices[i], f)
+                if u is not None and i in sending:
+                    updates[i] = u
+            silent = [matrices[i] for i in items if i not in sending]
+            launched = ex.scatter(sending, updates, like) if sending else None
+            if scattering is not None:
+                self._apply_scattered(matrices, scattering)
+            for m in silent:
+                self._finish(m, None)
+            scattering = launched
+        if scattering is not None:
+            self._apply_scattered(matrices, scattering)
+
+    def _apply_scattered(self, matrices: list[Matrix], scattering) -> None:
+        for i, piece in scattering.wait().items():
+            self._finish(matrices[i], piece)
