@@ -24,7 +24,8 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>> interval_overlaps_op(
     c10::IntArrayRef src_bounds, c10::IntArrayRef dst_bounds, int64_t rank);
 
 // plan_owners(int[] block_rows, int[] block_cols, int[] blocks_per_matrix, int[] buckets,
-//             int world_size, str strategy, str cost, float alpha, int capacity, int ns_steps)
+//             int world_size, str strategy, str cost, float alpha, int capacity, int ns_steps,
+//             int precondition_frequency, int max_preconditioner_dim)
 //   -> (int[] owners, int[] group_offsets, int[] group_members, int[] loads, int capacity)
 // Micro-group g is group_members[group_offsets[g]:group_offsets[g + 1]] (optim/owners.h).
 std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
@@ -32,6 +33,14 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std
 plan_owners_op(c10::IntArrayRef block_rows, c10::IntArrayRef block_cols,
                c10::IntArrayRef blocks_per_matrix, c10::IntArrayRef buckets, int64_t world_size,
                std::string_view strategy, std::string_view cost, double alpha, int64_t capacity,
-               int64_t ns_steps);
+               int64_t ns_steps, int64_t precondition_frequency, int64_t max_preconditioner_dim);
+
+// matrix_costs(int[] block_rows, int[] block_cols, int[] blocks_per_matrix, str cost,
+//              int ns_steps, int precondition_frequency, int max_preconditioner_dim) -> int[]
+// Per matrix, the summed cost of its blocks under the plan's cost model (optim/owners.h).
+std::vector<int64_t> matrix_costs_op(c10::IntArrayRef block_rows, c10::IntArrayRef block_cols,
+                                     c10::IntArrayRef blocks_per_matrix, std::string_view cost,
+                                     int64_t ns_steps, int64_t precondition_frequency,
+                                     int64_t max_preconditioner_dim);
 
 }  // namespace veragged

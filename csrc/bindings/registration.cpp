@@ -39,15 +39,22 @@ TORCH_LIBRARY(veragged, m) {
   m.def("accumulate_(Tensor(a!) dst, Tensor src, float alpha=1.0) -> ()");
   m.def("scale_(Tensor(a!) dst, float alpha) -> ()");
   m.def("zero_ranges_(Tensor(a!) dst, int[] ranges) -> ()");
-  // Host-side owner plan of distributed Muon ([Note: Muon owner plan], optim/owners.h): block b
-  // of the flattened row blocks belongs to the matrix its blocks_per_matrix run covers; micro-group
-  // g is group_members[group_offsets[g]:group_offsets[g + 1]]; capacity <= 0 asks for the default
-  // and the capacity used comes back (0 unless strategy is "lpt").
+  // Host-side owner plan of distributed Muon, Shampoo and SOAP ([Note: matrix owner plan],
+  // optim/owners.h): block b of the flattened row blocks belongs to the matrix its
+  // blocks_per_matrix run covers; micro-group g is
+  // group_members[group_offsets[g]:group_offsets[g + 1]]; capacity <= 0 asks for the default and
+  // the capacity used comes back (0 unless strategy is "lpt"). matrix_costs returns the
+  // per-matrix costs that the plan balances.
   m.def(
       "plan_owners(int[] block_rows, int[] block_cols, int[] blocks_per_matrix, int[] buckets, "
-      "int world_size, str strategy, str cost, float alpha, int capacity, int ns_steps) "
+      "int world_size, str strategy, str cost, float alpha, int capacity, int ns_steps, "
+      "int precondition_frequency, int max_preconditioner_dim) "
       "-> (int[] owners, int[] group_offsets, int[] group_members, int[] loads, int capacity)",
       &veragged::plan_owners_op);
+  m.def(
+      "matrix_costs(int[] block_rows, int[] block_cols, int[] blocks_per_matrix, str cost, "
+      "int ns_steps, int precondition_frequency, int max_preconditioner_dim) -> int[]",
+      &veragged::matrix_costs_op);
   // Block-wise 8-bit AdamW: one fused step of one parameter shard, in place on the parameter,
   // the uint8 codes and the per-block fp32 absmax of both moments ([Note: AdamW8bit kernel]).
   m.def(

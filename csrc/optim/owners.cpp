@@ -1,4 +1,5 @@
-// plan_owners: input checks, the cost models and the three strategies of [Note: Muon owner plan].
+// plan_owners: input checks, the four cost models and the three strategies of
+// [Note: matrix owner plan].
 
 #include "optim/owners.h"
 
@@ -6,6 +7,7 @@
 #include <cmath>
 #include <cstddef>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <queue>
 #include <sstream>
@@ -35,6 +37,89 @@ int64_t add(int64_t a, int64_t b, const std::string& what) {
   return out;
 }
 
+void check_preconditioner(int64_t precondition_frequency, int64_t max_preconditioner_dim) {
+  if (precondition_frequency < 1) {
+    fail("precondition_frequency must be >= 1, got " + str(precondition_frequency));
+  }
+  if (max_preconditioner_dim < 1) {
+    fail("max_preconditioner_dim must be >= 1, got " + str(max_preconditioner_dim));
+  }
+}
+
+void check_cost_options(int64_t ns_steps, int64_t precondition_frequency,
+                        int64_t max_preconditioner_dim) {
+  if (ns_steps < 1) fail("ns_steps must be >= 1, got " + str(ns_steps));
+  check_preconditioner(precondition_frequency, max_preconditioner_dim);
+}
+
+const char* cost_name(Cost cost) {
+  switch (cost) {
+    case Cost::kFlops:
+      return "flops";
+    case Cost::kNumel:
+      return "numel";
+    case Cost::kShampoo:
+      return "shampoo";
+    case Cost::kSoap:
+      return "soap";
+  }
+  fail("unknown cost " + str(static_cast<int64_t>(cost)));
+}
+
+// Running per-step and refresh sums of one block, checked against int64 overflow; the block's
+// cost is per_step + ceil(refresh / f) ([Note: matrix owner plan]).
+struct Amortised {
+  const std::string& what;
+  int64_t per_step = 0;
+  int64_t refresh = 0;
+
+  // `count` copies of work costing `step` every step and `once` per refresh.
+  void add_work(int64_t count, int64_t step, int64_t once) {
+    per_step = add(per_step, mul(count, step, what), what);
+    refresh = add(refresh, mul(count, once, what), what);
+  }
+  int64_t total(int64_t precondition_frequency) const {
+    return add(per_step, ceil_div(refresh, precondition_frequency), what);
+  }
+};
+
+// Blocked Shampoo: the block tiled into at most D x D tiles (torch.split(D) along each dim).
+// Tiles come in at most four shapes (full or remainder along each dim), so this is O(1).
+int64_t shampoo_cost(int64_t rows, int64_t cols, int64_t f, int64_t dim, const std::string& what) {
+  // (tile size, number of tiles) along each dim: the full tiles, then the remainder.
+  const std::pair<int64_t, int64_t> row_tiles[2] = {{dim, rows / dim}, {rows % dim, 1}};
+  const std::pair<int64_t, int64_t> col_tiles[2] = {{dim, cols / dim}, {cols % dim, 1}};
+  Amortised sum{what};
+  for (const auto& row : row_tiles) {
+    for (const auto& col : col_tiles) {
+      const int64_t a = row.first, b = col.first;
+      if (a == 0 || b == 0 || row.second == 0 || col.second == 0) continue;
+      const int64_t a3 = mul(mul(a, a, what), a, what), b3 = mul(mul(b, b, what), b, what);
+      // Per step 4 a b (a + b); per refresh 11 (a^3 + b^3).
+      const int64_t step = mul(mul(mul(4, a, what), b, what), add(a, b, what), what);
+      const int64_t once = mul(11, add(a3, b3, what), what);
+      sum.add_work(mul(row.second, col.second, what), step, once);
+    }
+  }
+  return sum.total(f);
+}
+
+// SOAP: each side n <= D (the other side m) is preconditioned whole; with neither, plain Adam.
+int64_t soap_cost(int64_t rows, int64_t cols, int64_t f, int64_t dim, const std::string& what) {
+  Amortised sum{what};
+  bool any = false;
+  for (const auto& side : {std::make_pair(rows, cols), std::make_pair(cols, rows)}) {
+    const int64_t n = side.first, m = side.second;
+    if (n > dim) continue;
+    any = true;
+    const int64_t n2m = mul(mul(n, n, what), m, what);
+    // Per step 6 n^2 m; per refresh 9 n^3 + 4 n^2 m.
+    const int64_t once = add(mul(9, mul(mul(n, n, what), n, what), what), mul(4, n2m, what), what);
+    sum.add_work(1, mul(6, n2m, what), once);
+  }
+  return any ? sum.total(f) : mul(rows, cols, what);
+}
+
 void check_inputs(const std::vector<std::vector<Block>>& matrices,
                   const std::vector<int64_t>& buckets, int64_t world_size,
                   const OwnerOptions& options) {
@@ -44,7 +129,8 @@ void check_inputs(const std::vector<std::vector<Block>>& matrices,
     message << "alpha must be in [0, 1], got " << options.alpha;
     fail(message.str());
   }
-  if (options.ns_steps < 1) fail("ns_steps must be >= 1, got " + str(options.ns_steps));
+  check_cost_options(options.ns_steps, options.precondition_frequency,
+                     options.max_preconditioner_dim);
   if (!buckets.empty() && buckets.size() != matrices.size()) {
     fail("buckets must be empty or have one id per matrix, got " + str(buckets.size()) +
          " ids for " + str(matrices.size()) + " matrices");
@@ -203,7 +289,9 @@ Strategy parse_strategy(const std::string& name) {
 Cost parse_cost(const std::string& name) {
   if (name == "flops") return Cost::kFlops;
   if (name == "numel") return Cost::kNumel;
-  fail("unknown cost '" + name + "' (expected flops or numel)");
+  if (name == "shampoo") return Cost::kShampoo;
+  if (name == "soap") return Cost::kSoap;
+  fail("unknown cost '" + name + "' (expected flops, numel, shampoo or soap)");
 }
 
 double OwnerPlan::ratio() const {
@@ -214,12 +302,26 @@ double OwnerPlan::ratio() const {
          static_cast<double>(total);
 }
 
-int64_t block_cost(const Block& block, Cost cost, int64_t ns_steps) {
+int64_t block_cost(const Block& block, Cost cost, int64_t ns_steps, int64_t precondition_frequency,
+                   int64_t max_preconditioner_dim) {
   if (block.rows < 0) fail("rows must be >= 0, got " + str(block.rows));
   if (block.cols < 0) fail("cols must be >= 0, got " + str(block.cols));
-  const std::string what = "the " + std::string(cost == Cost::kFlops ? "flops" : "numel") +
-                           " cost of a " + str(block.rows) + "x" + str(block.cols) + " block";
-  if (cost == Cost::kNumel) return mul(block.rows, block.cols, what);
+  check_preconditioner(precondition_frequency, max_preconditioner_dim);
+  const std::string what = "the " + std::string(cost_name(cost)) + " cost of a " + str(block.rows) +
+                           "x" + str(block.cols) + " block";
+  if (block.rows == 0 || block.cols == 0) return 0;
+  switch (cost) {
+    case Cost::kNumel:
+      return mul(block.rows, block.cols, what);
+    case Cost::kShampoo:
+      return shampoo_cost(block.rows, block.cols, precondition_frequency, max_preconditioner_dim,
+                          what);
+    case Cost::kSoap:
+      return soap_cost(block.rows, block.cols, precondition_frequency, max_preconditioner_dim,
+                       what);
+    case Cost::kFlops:
+      break;
+  }
   const int64_t s = std::min(block.rows, block.cols), l = std::max(block.rows, block.cols);
   const int64_t s2 = mul(s, s, what);
   const int64_t step = add(mul(mul(4, s2, what), l, what), mul(mul(2, s2, what), s, what), what);
@@ -227,8 +329,9 @@ int64_t block_cost(const Block& block, Cost cost, int64_t ns_steps) {
 }
 
 std::vector<int64_t> matrix_costs(const std::vector<std::vector<Block>>& matrices, Cost cost,
-                                  int64_t ns_steps) {
-  if (ns_steps < 1) fail("ns_steps must be >= 1, got " + str(ns_steps));
+                                  int64_t ns_steps, int64_t precondition_frequency,
+                                  int64_t max_preconditioner_dim) {
+  check_cost_options(ns_steps, precondition_frequency, max_preconditioner_dim);
   std::vector<int64_t> costs;
   int64_t total = 0;
   for (std::size_t i = 0; i < matrices.size(); ++i) {
@@ -238,7 +341,8 @@ std::vector<int64_t> matrix_costs(const std::vector<std::vector<Block>>& matrice
     for (std::size_t b = 0; b < matrices[i].size(); ++b) {
       int64_t c = 0;
       try {
-        c = block_cost(matrices[i][b], cost, ns_steps);
+        c = block_cost(matrices[i][b], cost, ns_steps, precondition_frequency,
+                       max_preconditioner_dim);
       } catch (const std::invalid_argument& error) {
         fail(at + " block " + str(b) + ": " + error.what());
       }
@@ -254,7 +358,9 @@ OwnerPlan plan_owners(const std::vector<std::vector<Block>>& matrices,
                       const std::vector<int64_t>& buckets, int64_t world_size,
                       const OwnerOptions& options) {
   check_inputs(matrices, buckets, world_size, options);
-  const std::vector<int64_t> costs = matrix_costs(matrices, options.cost, options.ns_steps);
+  const std::vector<int64_t> costs =
+      matrix_costs(matrices, options.cost, options.ns_steps, options.precondition_frequency,
+                   options.max_preconditioner_dim);
   switch (options.strategy) {
     case Strategy::kNaive:
       return plan_naive(costs, world_size);

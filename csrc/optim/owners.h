@@ -1,5 +1,6 @@
-// Owner plan for distributed Muon: which rank orthogonalises each whole 2-D matrix, and in which
-// micro-groups the matrices are gathered, computed and scattered back (Canzona, arXiv 2602.06079).
+// Owner plan for distributed matrix optimizers (Muon, Shampoo, SOAP): which rank computes the
+// update of each whole 2-D matrix, and in which micro-groups the matrices are gathered, computed
+// and scattered back (Canzona, arXiv 2602.06079).
 //
 // Pure C++17: no torch headers, so the same code builds into veragged._C and into the
 // GoogleTest binary under tests/cpp.
@@ -12,18 +13,45 @@
 namespace veragged {
 namespace optim {
 
-// [Note: Muon owner plan]
-// Distributed Muon gathers every 2-D matrix whole onto one owner rank, runs Newton-Schulz there
-// and sends the update back. Every rank computes the plan itself, so it must be bit-identical
-// everywhere: costs are int64, orders are total (ties broken by index or rank), and the only
-// floating point (alpha's targets) is a fixed sequence of IEEE operations compared exactly.
+// [Note: matrix owner plan]
+// A distributed matrix optimizer (Muon, Shampoo, SOAP) gathers every 2-D matrix whole onto one
+// owner rank, computes its update there and sends it back. Every rank computes the plan itself,
+// so it must be bit-identical everywhere: costs are int64, orders are total (ties broken by index
+// or rank), and the only floating point (alpha's targets) is a fixed sequence of IEEE operations
+// compared exactly.
 //
 // Input: per matrix a list of row blocks (rows, cols). A fused matrix (QKV split into q, k, v)
-// is one matrix with several blocks: each block is orthogonalised separately, but the matrix has
-// one owner. Its cost is the sum over its blocks of
-//   flops: ns_steps * (4 s^2 l + 2 s^3), s = min(rows, cols), l = max(rows, cols); per step
-//          A = X X^T (2 s^2 l), A @ A (2 s^3) and B @ X (2 s^2 l) on the s-by-l orientation;
-//   numel: rows * cols.
+// is one matrix with several blocks: each block is orthogonalised (or preconditioned)
+// separately, but the matrix has one owner. Its cost is the sum over its blocks of one of four
+// models (Canzona appendix D.5: a cost model per optimizer, its periodic work amortised over the
+// update frequency). A block with rows == 0 or cols == 0 costs 0 under every model. Below, r x c
+// is the block, D is max_preconditioner_dim, f is precondition_frequency, and "amortised" means
+// per_step + ceil(refresh / f), with refresh summed over the whole block first and divided once
+// (all of a block's factors are refreshed on the same step; the models stay exact integers, and
+// f = 1 is the plain sum).
+//   flops   (Muon) ns_steps * (4 s^2 l + 2 s^3), s = min(r, c), l = max(r, c): per Newton-Schulz
+//           step A = X X^T (2 s^2 l), A @ A (2 s^3) and B @ X (2 s^2 l) on the s-by-l
+//           orientation.
+//   numel   r * c: communication volume, or any elementwise optimizer.
+//   shampoo Blocked Shampoo: the block is tiled into tiles of at most D x D (along each dim
+//           D, D, ..., remainder, as torch.split(D)), each tile a x b with its own factors
+//           L (a x a) and R (b x b). Per tile, per step 4 a b (a + b): the factor updates
+//           G G^T and G^T G (2 a b (a + b)) and applying L^-1/4 G R^-1/4 (2 a b (a + b));
+//           per refresh 11 (a^3 + b^3): a symmetric eigendecomposition (~9 n^3) and forming
+//           Q diag(lambda^-1/4) Q^T (~2 n^3) per factor. Amortised over the tiles' sums.
+//   soap    SOAP (Adam in Shampoo's eigenbasis) does not tile: a side of size n is
+//           preconditioned only if n <= D (a larger side stays in the identity basis). Per
+//           preconditioned side of size n, with m the other dim: per step 6 n^2 m (the factor
+//           update G G^T, projecting the gradient into the eigenbasis and the update back out);
+//           per refresh 9 n^3 + 4 n^2 m (one power iteration L @ Q, 2 n^3; the estimated
+//           eigenvalues Q^T L Q, 4 n^3; QR, ~3 n^3; rotating the first moment out of the old
+//           basis and into the new one, 4 n^2 m). Amortised over the sides' sums. With neither
+//           side preconditioned the block is plain Adam, and its elementwise work is all that
+//           is left: r * c.
+// Otherwise the elementwise work (momentum, Adam's moments) is left out of
+// flops, shampoo and soap: it is linear in r * c and small beside the matrix products. The
+// precondition_frequency and max_preconditioner_dim options change only shampoo and soap, so
+// flops and numel plans (Muon's) do not depend on them.
 // Output: the owner of each matrix, micro-groups (lists of matrix indices in execution order,
 // each matrix in exactly one), the per-rank total loads and max/mean.
 //
@@ -57,9 +85,10 @@ namespace optim {
 // matrix is in bucket 0.
 
 enum class Strategy : int64_t { kNaive = 0, kLpt = 1, kAlpha = 2 };
-enum class Cost : int64_t { kFlops = 0, kNumel = 1 };
+enum class Cost : int64_t { kFlops = 0, kNumel = 1, kShampoo = 2, kSoap = 3 };
 
-// "naive" | "lpt" | "alpha" and "flops" | "numel"; std::invalid_argument on anything else.
+// "naive" | "lpt" | "alpha" and "flops" | "numel" | "shampoo" | "soap"; std::invalid_argument
+// on anything else.
 Strategy parse_strategy(const std::string& name);
 Cost parse_cost(const std::string& name);
 
@@ -75,6 +104,10 @@ struct OwnerOptions {
   double alpha = 1.0;    // alpha only, in [0, 1]
   int64_t capacity = 0;  // lpt only: max load a rank may gain within one micro-group; <= 0: default
   int64_t ns_steps = 5;  // flops only, >= 1
+  // shampoo and soap only ([Note: matrix owner plan]): f, the steps per preconditioner refresh
+  // (>= 1), and D, the largest preconditioned side (>= 1).
+  int64_t precondition_frequency = 1;
+  int64_t max_preconditioner_dim = 1024;
 };
 
 struct OwnerPlan {
@@ -85,19 +118,23 @@ struct OwnerPlan {
   double ratio() const;                      // max / mean load; 1 when every load is 0
 };
 
-// Cost of one block under the cost model. Throws std::invalid_argument on negative sizes or
-// int64 overflow.
-int64_t block_cost(const Block& block, Cost cost, int64_t ns_steps);
+// Cost of one block under the cost model ([Note: matrix owner plan]). Throws
+// std::invalid_argument on negative sizes, precondition_frequency < 1,
+// max_preconditioner_dim < 1 or int64 overflow.
+int64_t block_cost(const Block& block, Cost cost, int64_t ns_steps,
+                   int64_t precondition_frequency = 1, int64_t max_preconditioner_dim = 1024);
 
-// Per matrix, the sum of its blocks' costs (same errors, naming the matrix and block).
+// Per matrix, the sum of its blocks' costs (the same errors, naming the matrix and block; also
+// ns_steps < 1 and a matrix with no blocks).
 std::vector<int64_t> matrix_costs(const std::vector<std::vector<Block>>& matrices, Cost cost,
-                                  int64_t ns_steps);
+                                  int64_t ns_steps, int64_t precondition_frequency = 1,
+                                  int64_t max_preconditioner_dim = 1024);
 
-// Plans owners and micro-groups ([Note: Muon owner plan]). `buckets` is empty or has one id
+// Plans owners and micro-groups ([Note: matrix owner plan]). `buckets` is empty or has one id
 // (>= 0) per matrix. Throws std::invalid_argument naming the argument and value for:
-// world_size < 1, alpha outside [0, 1] (or NaN), ns_steps < 1, a matrix with no blocks, a
-// negative rows or cols, a negative bucket id, a buckets length that differs from the matrix
-// count, or costs that overflow int64.
+// world_size < 1, alpha outside [0, 1] (or NaN), ns_steps < 1, precondition_frequency < 1,
+// max_preconditioner_dim < 1, a matrix with no blocks, a negative rows or cols, a negative
+// bucket id, a buckets length that differs from the matrix count, or costs that overflow int64.
 OwnerPlan plan_owners(const std::vector<std::vector<Block>>& matrices,
                       const std::vector<int64_t>& buckets, int64_t world_size,
                       const OwnerOptions& options = OwnerOptions());

@@ -1,4 +1,4 @@
-// The Muon owner plan (csrc/optim/owners.h): invariants of every strategy, LPT against a brute
+// The matrix owner plan (csrc/optim/owners.h): invariants of every strategy, LPT against a brute
 // force optimum and an independent LPT, micro-group capacity, alpha's two extremes, errors.
 
 #include <gtest/gtest.h>
@@ -130,6 +130,98 @@ TEST(OwnerCost, FlopsAndNumelFormulas) {
   const auto costs = vo::matrix_costs({{{3, 5}, {2, 5}}, {{5, 5}}}, vo::Cost::kFlops, 5);
   const int64_t s2 = 5 * (4 * 4 * 5 + 2 * 8), whole = 5 * (4 * 25 * 5 + 2 * 125);
   EXPECT_EQ(costs, (std::vector<int64_t>{1170 + s2, whole}));
+}
+
+TEST(OwnerCost, ShampooTilesWithRemainders) {
+  const auto shampoo = vo::Cost::kShampoo;
+  // D = 4, 6x4: tiles 4x4 and 2x4. Per step 4ab(a+b): 512 + 192 = 704; refresh 11(a^3 + b^3):
+  // 1408 + 792 = 2200.
+  EXPECT_EQ(vo::block_cost({6, 4}, shampoo, 5, 1, 4), 704 + 2200);
+  EXPECT_EQ(vo::block_cost({6, 4}, shampoo, 5, 10, 4), 704 + 220);  // exact division
+  EXPECT_EQ(vo::block_cost({6, 4}, shampoo, 5, 7, 4), 704 + 315);   // ceil(2200 / 7)
+  // D = 4, 5x6: rows 4, 1 and cols 4, 2, so tiles 4x4, 4x2, 1x4, 1x2. Per step
+  // 512 + 192 + 80 + 24 = 808; refresh 1408 + 792 + 715 + 99 = 3014.
+  EXPECT_EQ(vo::block_cost({5, 6}, shampoo, 5, 1, 4), 808 + 3014);
+  EXPECT_EQ(vo::block_cost({5, 6}, shampoo, 5, 10, 4), 808 + 302);  // ceil(301.4)
+  // The refresh is summed over the block's tiles before the one division: with f = 3014 it adds
+  // 1, where dividing each tile's refresh and rounding up would add 4.
+  EXPECT_EQ(vo::block_cost({5, 6}, shampoo, 5, 3014, 4), 808 + 1);
+  // One tile when both sides fit (the default D = 1024): 4 * 3 * 5 * 8 + 11 * (27 + 125).
+  EXPECT_EQ(vo::block_cost({3, 5}, shampoo, 5), 480 + 1672);
+  EXPECT_EQ(vo::block_cost({5, 3}, shampoo, 5), 480 + 1672);
+  // 8x8 with D = 4 is four 4x4 tiles; ns_steps never matters.
+  EXPECT_EQ(vo::block_cost({8, 8}, shampoo, 1, 1, 4), 4 * (512 + 1408));
+  EXPECT_EQ(vo::block_cost({0, 9}, shampoo, 5, 3, 4), 0);
+  EXPECT_EQ(vo::block_cost({9, 0}, shampoo, 5, 3, 4), 0);
+}
+
+TEST(OwnerCost, SoapPreconditionsSidesUpToTheMaxDim) {
+  const auto soap = vo::Cost::kSoap;
+  // 3x5, D = 4: only the 3-side (m = 5). Per step 6 * 9 * 5 = 270; refresh 9 * 27 + 4 * 45 = 423.
+  EXPECT_EQ(vo::block_cost({3, 5}, soap, 5, 1, 4), 270 + 423);
+  EXPECT_EQ(vo::block_cost({3, 5}, soap, 5, 10, 4), 270 + 43);  // ceil(42.3)
+  EXPECT_EQ(vo::block_cost({5, 3}, soap, 5, 10, 4), 270 + 43);
+  // D = 8: both sides; the 5-side (m = 3) adds 6 * 25 * 3 = 450 and 9 * 125 + 4 * 75 = 1425.
+  EXPECT_EQ(vo::block_cost({3, 5}, soap, 5, 1, 8), 720 + 1848);
+  EXPECT_EQ(vo::block_cost({3, 5}, soap, 5, 10, 8), 720 + 185);  // ceil(184.8), not 43 + 143
+  // Neither side <= D: plain Adam, r * c, whatever f.
+  EXPECT_EQ(vo::block_cost({5, 6}, soap, 5, 1, 4), 30);
+  EXPECT_EQ(vo::block_cost({5, 6}, soap, 5, 10, 4), 30);
+  EXPECT_EQ(vo::block_cost({0, 5}, soap, 5, 1, 4), 0);
+  EXPECT_EQ(vo::block_cost({5, 0}, soap, 5, 1, 8), 0);
+  // A fused matrix sums its blocks (a 3x5 block and a plain-Adam 6x5 one), and the plan
+  // balances exactly these costs.
+  const auto costs = vo::matrix_costs({{{3, 5}, {6, 5}}, {{5, 6}}}, soap, 5, 10, 4);
+  EXPECT_EQ(costs, (std::vector<int64_t>{313 + 30, 30}));
+  vo::OwnerOptions o;
+  o.cost = soap;
+  o.precondition_frequency = 10;
+  o.max_preconditioner_dim = 4;
+  const auto p = vo::plan_owners({{{3, 5}, {6, 5}}, {{5, 6}}}, {}, 2, o);
+  EXPECT_EQ(p.loads, (std::vector<int64_t>{343, 30}));
+}
+
+TEST(OwnerCost, PreconditionerOptionsLeaveFlopsAndNumelAlone) {
+  for (auto cost : {vo::Cost::kFlops, vo::Cost::kNumel}) {
+    for (int64_t f : {1, 3, 100}) {
+      for (int64_t dim : {1, 4, 1024}) {
+        EXPECT_EQ(vo::block_cost({7, 300}, cost, 5, f, dim), vo::block_cost({7, 300}, cost, 5));
+      }
+    }
+  }
+}
+
+TEST(OwnerCost, PreconditionerErrors) {
+  expect_invalid([] { vo::block_cost({2, 2}, vo::Cost::kShampoo, 5, 0, 4); },
+                 "precondition_frequency must be >= 1, got 0");
+  expect_invalid([] { vo::block_cost({2, 2}, vo::Cost::kSoap, 5, 1, 0); },
+                 "max_preconditioner_dim must be >= 1, got 0");
+  expect_invalid([] { vo::matrix_costs({{{2, 2}}}, vo::Cost::kSoap, 5, -3, 4); },
+                 "precondition_frequency must be >= 1, got -3");
+  vo::OwnerOptions o;
+  o.cost = vo::Cost::kShampoo;
+  o.precondition_frequency = 0;
+  expect_invalid([&] { vo::plan_owners({{{2, 2}}}, {}, 2, o); },
+                 "precondition_frequency must be >= 1, got 0");
+  o.precondition_frequency = 1;
+  o.max_preconditioner_dim = -1;
+  expect_invalid([&] { vo::plan_owners({{{2, 2}}}, {}, 2, o); },
+                 "max_preconditioner_dim must be >= 1, got -1");
+  // Overflow: 2^20 x 2^20 tiles of 1024 x 1024 (4 * 2^31 * 2^20 each); one 2^21-side factor.
+  o.max_preconditioner_dim = 1024;
+  expect_invalid([&] { vo::plan_owners({{{2, 2}}, {{1 << 30, 1 << 30}}}, {}, 2, o); },
+                 "matrices[1] block 0: the shampoo cost of a 1073741824x1073741824 block "
+                 "overflows int64");
+  o.cost = vo::Cost::kSoap;
+  o.max_preconditioner_dim = 1 << 22;
+  expect_invalid([&] { vo::plan_owners({{{1 << 21, 1 << 21}}}, {}, 2, o); },
+                 "matrices[0] block 0: the soap cost of a 2097152x2097152 block overflows int64");
+  // The refresh sum is checked before the division, even where the amortised cost would fit:
+  // 2^20 x 1 has per step 6 * 2^40 (+ 6 * 2^20), but 9 n^3 = 9 * 2^60 > int64 max.
+  o.max_preconditioner_dim = 1 << 20;
+  o.precondition_frequency = std::numeric_limits<int64_t>::max();
+  expect_invalid([&] { vo::plan_owners({{{1 << 20, 1}}}, {}, 2, o); },
+                 "matrices[0] block 0: the soap cost of a 1048576x1 block overflows int64");
 }
 
 TEST(OwnerPlan, NaiveIsRoundRobinInInputOrder) {
@@ -334,7 +426,10 @@ TEST(OwnerPlan, ErrorsNameTheArgument) {
   expect_invalid([&] { vo::plan_owners({{{2, 2}}, {}}, {}, 2, lpt); }, "matrices[1] has no blocks");
   expect_invalid([] { vo::parse_strategy("greedy"); },
                  "unknown strategy 'greedy' (expected naive, lpt or alpha)");
-  expect_invalid([] { vo::parse_cost("bytes"); }, "unknown cost 'bytes' (expected flops or numel)");
+  expect_invalid([] { vo::parse_cost("bytes"); },
+                 "unknown cost 'bytes' (expected flops, numel, shampoo or soap)");
+  EXPECT_EQ(vo::parse_cost("shampoo"), vo::Cost::kShampoo);
+  EXPECT_EQ(vo::parse_cost("soap"), vo::Cost::kSoap);
   auto bad_steps = lpt;
   bad_steps.ns_steps = 0;
   expect_invalid([&] { plan({1}, 2, bad_steps); }, "ns_steps must be >= 1, got 0");

@@ -6,12 +6,31 @@ import random
 import pytest
 
 import veragged  # noqa: F401  (loads the extension: torch.ops.veragged.*)
-from veragged.optim.owners import OwnerPlan, plan_owners
+from veragged.optim.owners import COSTS, OwnerPlan, block_costs, plan_owners
 
 
-def reference_cost(rows, cols, cost, ns_steps):
+def split(n, size):
+    """Sizes of torch.split(size) along a dim of n."""
+    return [min(size, n - start) for start in range(0, n, size)]
+
+
+def reference_cost(rows, cols, cost, ns_steps, frequency=1, max_dim=1024):
+    if rows == 0 or cols == 0:
+        return 0
     if cost == "numel":
         return rows * cols
+    if cost == "shampoo":
+        tiles = [(a, b) for a in split(rows, max_dim) for b in split(cols, max_dim)]
+        per_step = sum(4 * a * b * (a + b) for a, b in tiles)
+        refresh = sum(11 * (a**3 + b**3) for a, b in tiles)
+        return per_step + ceil_div(refresh, frequency)
+    if cost == "soap":
+        sides = [(n, m) for n, m in ((rows, cols), (cols, rows)) if n <= max_dim]
+        if not sides:
+            return rows * cols
+        per_step = sum(6 * n * n * m for n, m in sides)
+        refresh = sum(9 * n**3 + 4 * n * n * m for n, m in sides)
+        return per_step + ceil_div(refresh, frequency)
     short, long = min(rows, cols), max(rows, cols)
     # Per step: X X^T, A @ A, B @ X on the short-by-long orientation.
     return ns_steps * (2 * short**2 * long + 2 * short**3 + 2 * short**2 * long)
@@ -164,6 +183,88 @@ def test_plan_is_frozen_and_ratio():
 def test_errors_name_the_values(args, kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan_owners(*args, **kwargs)
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("cost", ["shampoo", "soap"])
+def test_preconditioner_costs_match_reference_and_plans(seed, cost):
+    rng = random.Random(seed)
+    shapes, splits = random_instance(rng)
+    world = rng.randrange(1, 10)
+    frequency, max_dim = rng.choice([1, 7, 10, 100]), rng.choice([16, 64, 100, 1024])
+    kwargs = dict(cost=cost, precondition_frequency=frequency, max_preconditioner_dim=max_dim)
+    costs = block_costs(shapes, split_sizes=splits, **kwargs)
+    want = [
+        sum(reference_cost(b, cols, cost, 5, frequency, max_dim) for b in (split or (rows,)))
+        for (rows, cols), split in zip(shapes, splits, strict=True)
+    ]
+    assert costs == want
+    for strategy in ("lpt", "naive", "alpha"):
+        plan = plan_owners(shapes, world, strategy=strategy, split_sizes=splits, **kwargs)
+        again = plan_owners(shapes, world, strategy=strategy, split_sizes=splits, **kwargs)
+        assert plan == again  # deterministic
+        loads = [0] * world
+        for i, owner in enumerate(plan.owners):
+            loads[owner] += costs[i]
+        assert list(plan.loads) == loads
+    assert plan_owners(shapes, world, split_sizes=splits, **kwargs) == reference_lpt(
+        costs, world, None
+    )
+
+
+def test_preconditioner_hand_computed_costs():
+    # Shampoo, D = 4: 5x6 tiles into 4x4, 4x2, 1x4, 1x2; per step 808, refresh 3014.
+    assert block_costs([(5, 6)], "shampoo", max_preconditioner_dim=4) == [808 + 3014]
+    assert block_costs(
+        [(5, 6)], "shampoo", precondition_frequency=10, max_preconditioner_dim=4
+    ) == [808 + 302]
+    # SOAP, D = 4: 3x5 preconditions the 3-side only; 5x6 is plain Adam; empty blocks cost 0.
+    soap = dict(cost="soap", precondition_frequency=10, max_preconditioner_dim=4)
+    assert block_costs([(3, 5), (5, 6), (0, 5)], **soap) == [270 + 43, 30, 0]
+    assert block_costs([(9, 5)], split_sizes=[(3, 6)], **soap) == [313 + 30]
+    assert COSTS == ("flops", "numel", "shampoo", "soap")
+
+
+def test_flops_and_numel_ignore_preconditioner_options():
+    """Muon's plans do not move: the new options only enter the shampoo and soap costs."""
+    shapes = llama3_8b_shapes(layers=4)
+    for cost in ("flops", "numel"):
+        base = plan_owners(shapes, 16, cost=cost)
+        assert block_costs(shapes, cost) == [reference_cost(r, c, cost, 5) for r, c in shapes]
+        for frequency, max_dim in [(1, 1), (10, 128), (1000, 4096)]:
+            kwargs = dict(precondition_frequency=frequency, max_preconditioner_dim=max_dim)
+            assert plan_owners(shapes, 16, cost=cost, **kwargs) == base
+            assert block_costs(shapes, cost, **kwargs) == block_costs(shapes, cost)
+    assert plan_owners(shapes, 16) == plan_owners(shapes, 16, cost="flops")
+    assert sum(plan_owners(shapes, 16).loads) == sum(block_costs(shapes))
+
+
+@pytest.mark.parametrize("fn", [plan_owners, block_costs])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"precondition_frequency": 0}, r"precondition_frequency must be >= 1, got 0"),
+        ({"precondition_frequency": -5}, r"precondition_frequency must be >= 1, got -5"),
+        ({"max_preconditioner_dim": 0}, r"max_preconditioner_dim must be >= 1, got 0"),
+        ({"cost": "adam"}, r"unknown cost 'adam' \(expected flops, numel, shampoo or soap\)"),
+        ({"ns_steps": 0}, r"ns_steps must be >= 1, got 0"),
+    ],
+)
+def test_preconditioner_errors_name_the_values(fn, kwargs, message):
+    args = ([(4, 4)], 2) if fn is plan_owners else ([(4, 4)],)
+    with pytest.raises(ValueError, match=message):
+        fn(*args, **{"cost": "soap", **kwargs})
+
+
+def test_preconditioner_overflow_and_type_errors():
+    with pytest.raises(ValueError, match=r"shampoo cost of a 1073741824x1073741824 block over"):
+        plan_owners([(2**30, 2**30)], 2, cost="shampoo")
+    with pytest.raises(ValueError, match=r"matrices\[0\] block 0: the soap cost of a 1048576x1"):
+        block_costs([(2**20, 1)], "soap", 2**63 - 1, max_preconditioner_dim=2**20)
+    with pytest.raises(TypeError, match=r"precondition_frequency must be an int, got 1.5"):
+        plan_owners([(4, 4)], 2, cost="soap", precondition_frequency=1.5)
+    with pytest.raises(TypeError, match=r"max_preconditioner_dim must be an int, got True"):
+        block_costs([(4, 4)], "shampoo", max_preconditioner_dim=True)
 
 
 def test_type_errors():

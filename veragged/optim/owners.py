@@ -1,9 +1,11 @@
-"""`plan_owners()` and `OwnerPlan`: which rank orthogonalises each Muon matrix, and when.
+"""`plan_owners()`, `OwnerPlan` and `block_costs()`: which rank computes the update of each
+matrix of a distributed matrix optimizer (Muon, Shampoo, SOAP), and when.
 
-The Python face of the C++ owner plan (csrc/optim/owners.h, ``[Note: Muon owner plan]``).
-Distributed Muon gathers each whole 2-D matrix onto one owner rank, runs Newton-Schulz there and
-sends the update back. The plan is computed by every rank from the same shapes, and is identical
-everywhere (integer costs, total orders, no hash containers), so it needs no communication.
+The Python face of the C++ owner plan (csrc/optim/owners.h, ``[Note: matrix owner plan]``).
+Distributed Muon, Shampoo and SOAP gather each whole 2-D matrix onto one owner rank, compute its
+update there (Newton-Schulz, or the Kronecker-factored preconditioner) and send the update back.
+The plan is computed by every rank from the same shapes, and is identical everywhere (integer
+costs, total orders, no hash containers), so it needs no communication.
 """
 
 from __future__ import annotations
@@ -15,15 +17,19 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["OwnerPlan", "plan_owners", "STRATEGIES", "COSTS"]
+__all__ = ["OwnerPlan", "plan_owners", "block_costs", "STRATEGIES", "COSTS"]
 
 #: Owner strategies (csrc/optim/owners.h): Keller Jordan's round robin, global LPT with
 #: capacity-bounded micro-groups (Canzona Algorithm 3), alpha-balanced contiguous runs per
 #: bucket (Canzona Algorithm 1).
 STRATEGIES = ("naive", "lpt", "alpha")
-#: Cost models: Newton-Schulz FLOPs ``ns_steps * (4 s^2 l + 2 s^3)`` per row block, with
-#: ``s = min(rows, cols)``, ``l = max(rows, cols)``; or the element count.
-COSTS = ("flops", "numel")
+#: Cost models per row block ``r x c`` (``[Note: matrix owner plan]``): ``"flops"``, Muon's
+#: Newton-Schulz FLOPs ``ns_steps * (4 s^2 l + 2 s^3)`` with ``s = min(r, c)``,
+#: ``l = max(r, c)``; ``"numel"``, ``r * c``; ``"shampoo"`` and ``"soap"``, the FLOPs of a step
+#: plus the preconditioner refresh amortised over ``precondition_frequency`` steps, with sides up
+#: to ``max_preconditioner_dim`` (Shampoo tiles the block, SOAP leaves a larger side
+#: unpreconditioned).
+COSTS = ("flops", "numel", "shampoo", "soap")
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,16 @@ def _blocks(shapes, split_sizes) -> tuple[list[int], list[int], list[int]]:
     return rows_out, cols_out, counts
 
 
+def _cost_args(cost, ns_steps, precondition_frequency, max_preconditioner_dim) -> tuple:
+    """The cost-model arguments of the ops, type-checked; their values are checked in C++."""
+    return (
+        str(cost),
+        _int("ns_steps", ns_steps),
+        _int("precondition_frequency", precondition_frequency),
+        _int("max_preconditioner_dim", max_preconditioner_dim),
+    )
+
+
 def plan_owners(
     shapes: Sequence[Sequence[int]],
     world_size: int,
@@ -114,8 +130,10 @@ def plan_owners(
     ns_steps: int = 5,
     split_sizes: Optional[Sequence[Optional[Sequence[int]]]] = None,
     buckets: Optional[Sequence[int]] = None,
+    precondition_frequency: int = 1,
+    max_preconditioner_dim: int = 1024,
 ) -> OwnerPlan:
-    """Plans which rank runs Newton-Schulz on each matrix (``[Note: Muon owner plan]``).
+    """Plans which rank computes the update of each matrix (``[Note: matrix owner plan]``).
 
     Args:
         shapes: ``(rows, cols)`` of each 2-D matrix, in a fixed order every rank agrees on.
@@ -123,24 +141,37 @@ def plan_owners(
         strategy: ``"lpt"`` (default: global LPT, loads carried across micro-groups),
             ``"naive"`` (matrix ``i`` on rank ``i % world_size``) or ``"alpha"`` (Canzona's
             alpha-balanced contiguous runs within each bucket).
-        cost: ``"flops"`` (Newton-Schulz FLOPs) or ``"numel"``.
+        cost: the cost model balanced, per row block ``r x c`` (:func:`block_costs` gives the
+            per-matrix values): ``"flops"`` (Muon's Newton-Schulz FLOPs, the default),
+            ``"numel"`` (``r * c``), ``"shampoo"`` (blocked Shampoo on tiles of at most
+            ``max_preconditioner_dim`` squared: per step ``4 a b (a + b)`` per ``a x b`` tile,
+            per refresh ``11 (a^3 + b^3)``) or ``"soap"`` (per side ``n <= max_preconditioner_dim``
+            with ``m`` the other: per step ``6 n^2 m``, per refresh ``9 n^3 + 4 n^2 m``; ``r * c``
+            if neither side qualifies). Refresh work is amortised:
+            ``per_step + ceil(refresh / precondition_frequency)``.
         alpha: ``"alpha"`` only, in ``[0, 1]``: 1 balances compute, 0 cuts each bucket evenly.
         capacity: ``"lpt"`` only: the most cost a rank may gain within one micro-group. ``None``
             picks ``max(largest matrix cost, ceil(total / world_size / 4))``.
         ns_steps: Newton-Schulz iterations (scales ``"flops"``; never changes the plan).
         split_sizes: optional, per matrix ``None`` or the sizes of its row blocks (summing to
-            rows), e.g. ``(q, k, v)`` rows of a fused QKV: each block is orthogonalised on its
-            own, so costs are per block, but the matrix keeps one owner.
+            rows), e.g. ``(q, k, v)`` rows of a fused QKV: each block is orthogonalised or
+            preconditioned on its own, so costs are per block, but the matrix keeps one owner.
         buckets: optional bucket id (``>= 0``) per matrix, e.g. its parameter group or layer;
             used by ``"alpha"`` only.
+        precondition_frequency: ``"shampoo"`` and ``"soap"`` only, ``>= 1``: steps between
+            preconditioner refreshes.
+        max_preconditioner_dim: ``"shampoo"`` and ``"soap"`` only, ``>= 1``: the largest
+            preconditioned side (Shampoo's tile size; SOAP's largest factor).
 
     Returns:
         A frozen :class:`OwnerPlan`.
 
     Raises:
         ValueError: a bad shape or split, ``world_size < 1``, an unknown strategy or cost,
-            ``alpha`` outside ``[0, 1]``, ``capacity < 1``, ``ns_steps < 1``, a bucket id < 0 or
-            a ``buckets`` length that differs from ``shapes``, or costs overflowing int64.
+            ``alpha`` outside ``[0, 1]``, ``capacity < 1``, ``ns_steps < 1``,
+            ``precondition_frequency < 1``, ``max_preconditioner_dim < 1``, a bucket id < 0 or
+            a ``buckets`` length that differs from ``shapes``, or costs overflowing int64; the
+            message names the argument and its value.
         TypeError: a size is not an int.
     """
     rows, cols, counts = _blocks(shapes, split_sizes)
@@ -151,6 +182,9 @@ def plan_owners(
     bucket_ids = (
         [] if buckets is None else [_int(f"buckets[{i}]", b) for i, b in enumerate(buckets)]
     )
+    cost, ns_steps, frequency, max_dim = _cost_args(
+        cost, ns_steps, precondition_frequency, max_preconditioner_dim
+    )
     owners, offsets, members, loads, used_capacity = torch.ops.veragged.plan_owners(
         rows,
         cols,
@@ -158,10 +192,37 @@ def plan_owners(
         bucket_ids,
         _int("world_size", world_size),
         str(strategy),
-        str(cost),
+        cost,
         float(alpha),
         0 if capacity is None else capacity,
-        _int("ns_steps", ns_steps),
+        ns_steps,
+        frequency,
+        max_dim,
     )
     groups = tuple(tuple(members[a:b]) for a, b in zip(offsets, offsets[1:], strict=False))
     return OwnerPlan(tuple(owners), groups, tuple(loads), used_capacity)
+
+
+def block_costs(
+    shapes: Sequence[Sequence[int]],
+    cost: str = "flops",
+    ns_steps: int = 5,
+    precondition_frequency: int = 1,
+    max_preconditioner_dim: int = 1024,
+    split_sizes: Optional[Sequence[Optional[Sequence[int]]]] = None,
+) -> list[int]:
+    """Per matrix, the cost :func:`plan_owners` balances: the sum over its row blocks of the
+    cost model (``[Note: matrix owner plan]``), computed by the same C++.
+
+    The arguments mean what they mean for :func:`plan_owners`; a plan's ``loads[r]`` is the sum
+    of these costs over the matrices it gives rank ``r``.
+
+    Raises:
+        ValueError: a bad shape or split, an unknown cost, ``ns_steps < 1``,
+            ``precondition_frequency < 1``, ``max_preconditioner_dim < 1`` or costs
+            overflowing int64, naming the argument and its value.
+        TypeError: a size is not an int.
+    """
+    rows, cols, counts = _blocks(shapes, split_sizes)
+    args = _cost_args(cost, ns_steps, precondition_frequency, max_preconditioner_dim)
+    return list(torch.ops.veragged.matrix_costs(rows, cols, counts, *args))
