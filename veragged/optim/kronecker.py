@@ -1,0 +1,80 @@
+"""Kronecker-factor math shared by Shampoo and SOAP: factor updates, eigenbases, inverse roots.
+
+Every function works on whole matrices on one rank (the owner: [Note: matrix optimizer
+engine]); the distributed optimizers call exactly these, so they match one process bitwise.
+A side that is not preconditioned is passed as None and acts as the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "eigenbasis",
+    "inverse_root",
+    "project",
+    "project_back",
+    "refresh_eigenbasis",
+    "side_grams",
+    "tiles",
+]
+
+
+def side_grams(g: torch.Tensor, left: bool, right: bool):
+    """G G^T and G^T G of the 2-D `g` (None for a side that is not wanted)."""
+    return (g @ g.T if left else None), (g.T @ g if right else None)
+
+
+def project(g: torch.Tensor, q_left, q_right) -> torch.Tensor:
+    """Q_L^T G Q_R: `g` in the eigenbasis (a None side is the identity)."""
+    if q_left is not None:
+        g = q_left.T @ g
+    if q_right is not None:
+        g = g @ q_right
+    return g
+
+
+def project_back(g: torch.Tensor, q_left, q_right) -> torch.Tensor:
+    """Q_L G Q_R^T: `g` from the eigenbasis back to the parameter's coordinates."""
+    if q_left is not None:
+        g = q_left @ g
+    if q_right is not None:
+        g = g @ q_right.T
+    return g
+
+
+def eigenbasis(factor: torch.Tensor) -> torch.Tensor:
+    """The eigenvectors of the symmetric `factor`, by descending eigenvalue (SOAP's initial
+    basis: eigh of factor + 1e-30 I, in float64 if float32 fails)."""
+    eye = torch.eye(factor.shape[0], dtype=factor.dtype, device=factor.device)
+    try:
+        _, q = torch.linalg.eigh(factor + 1e-30 * eye)
+    except RuntimeError:  # failed to converge: retry in double precision
+        _, q = torch.linalg.eigh(factor.double() + 1e-30 * eye.double())
+        q = q.to(factor.dtype)
+    return torch.flip(q, [1])
+
+
+def refresh_eigenbasis(factor: torch.Tensor, q: torch.Tensor):
+    """SOAP's refresh: one power iteration from the current basis `q`, then QR. Returns the new
+    basis and the column order (by the estimated eigenvalues diag(Q^T F Q), descending) the
+    second moment must be permuted by along this side."""
+    estimated = torch.diag(q.T @ factor @ q)
+    order = torch.argsort(estimated, descending=True, stable=True)
+    basis, _ = torch.linalg.qr(factor @ q[:, order])
+    return basis, order
+
+
+def inverse_root(factor: torch.Tensor, root: int, epsilon: float) -> torch.Tensor:
+    """(F + epsilon I)^(-1/root) of the symmetric positive semi-definite `factor` by a
+    symmetric eigendecomposition in float64 (eigenvalues clamped at 0 before epsilon is added,
+    so round-off negatives cannot produce NaN), returned in `factor`'s dtype."""
+    f = factor.double()
+    values, vectors = torch.linalg.eigh(f)
+    values = values.clamp(min=0.0).add(epsilon).pow(-1.0 / root)
+    return ((vectors * values) @ vectors.T).to(factor.dtype)
+
+
+def tiles(size: int, block: int) -> list[int]:
+    """Tile sizes of a dimension of `size` cut every `block` elements (torch.split)."""
+    return [min(block, size - s) for s in range(0, size, block)] if size else []

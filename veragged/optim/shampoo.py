@@ -1,0 +1,253 @@
+"""`veragged.optim.Shampoo`: Kronecker-factored preconditioning with Adam grafting, sharded or not."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from veragged.optim.common import local
+from veragged.optim.engine import Matrix, MatrixOptimizer
+from veragged.optim.kronecker import inverse_root, tiles
+
+__all__ = ["Shampoo"]
+
+
+class Shampoo(MatrixOptimizer):
+    """Shampoo (Gupta et al. 2018) as Distributed Shampoo runs it (Shi et al. 2023,
+    facebookresearch/optimizers), with Adam grafting, per 2-D parameter.
+
+    Blocking: a matrix is cut into tiles of at most `max_preconditioner_dim` rows and columns
+    (torch.split on each dim: whole rows of the matrix, column ranges of them); every tile is a
+    block with its own factors and its own grafting norm, exactly as if it were a parameter.
+    All the tiles of one matrix live on the matrix's owner, which the plan charges their summed
+    cost (cost model "shampoo"); the matrix travels whole, as one item.
+
+    Per block G (a x b), with step t = 1, 2, ... counted per parameter:
+      - factors: L = beta2 L + (1 - beta2) G G^T, R = beta2 R + (1 - beta2) G^T G (beta2 = 1:
+        plain sums); every `precondition_frequency` steps from `start_preconditioning_step`
+        on, the roots L^-1/4, R^-1/4 are recomputed from the bias-corrected factors
+        F / (1 - beta2^t) (when beta2 < 1) by an eigendecomposition in float64 with eigenvalues
+        shifted to be >= 0 and `epsilon` added;
+      - grafting (Adam): V = graft_beta2 V + (1 - graft_beta2) G^2, graft = M_hat /
+        (sqrt(V / (1 - graft_beta2^t)) + graft_epsilon);
+      - M = beta1 M + (1 - beta1) G, M_hat = M / (1 - beta1^t) (beta1 = 0: M_hat = G);
+      - from `start_preconditioning_step` on the direction is S = L^-1/4 M_hat R^-1/4 scaled to
+        the grafting direction's norm, S * ||graft|| / ||S|| (S = 0 stays 0); before it, graft;
+      - decoupled weight decay p <- p (1 - lr * weight_decay), then p <- p - lr * direction
+        (with `momentum`: direction <- momentum buffer B = momentum B + (1 - dampening) dir,
+        Nesterov: dir + momentum B).
+    Parameters that are not matrices (1-D, or a group with `precondition=False`) take the
+    grafting step alone, elementwise on the local shard.
+
+    Distributed: as Muon ([Note: matrix optimizer engine]); the owner holds every factor, root
+    and moment of its matrices whole ([Note: owner-resident state]) and sends back the direction.
+    """
+
+    _NAME = "Shampoo"
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-2,
+        betas: tuple[float, float] = (0.9, 1.0),
+        epsilon: float = 1e-12,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        max_preconditioner_dim: int = 1024,
+        precondition_frequency: int = 1,
+        start_preconditioning_step: int = -1,
+        use_nesterov: bool = False,
+        use_bias_correction: bool = True,
+        graft_beta2: float = 0.999,
+        graft_epsilon: float = 1e-8,
+        *,
+        owners: str = "lpt",
+        alpha: float = 1.0,
+        capacity: int | None = None,
+        grad_agreement: str = "auto",
+    ):
+        if start_preconditioning_step == -1:
+            start_preconditioning_step = precondition_frequency
+        defaults = dict(
+            lr=lr, betas=tuple(betas), epsilon=epsilon, momentum=momentum, dampening=dampening,
+            weight_decay=weight_decay, max_preconditioner_dim=max_preconditioner_dim,
+            precondition_frequency=precondition_frequency,
+            start_preconditioning_step=start_preconditioning_step, use_nesterov=use_nesterov,
+            use_bias_correction=use_bias_correction, graft_beta2=graft_beta2,
+            graft_epsilon=graft_epsilon, precondition=None,
+        )
+        super().__init__(params, defaults, owners=owners, alpha=alpha, capacity=capacity,
+                         grad_agreement=grad_agreement)
+
+    # --- engine hooks ([Note: matrix optimizer engine]) -----------------------------------------
+
+    def _is_matrix(self, group: dict, p: torch.Tensor) -> bool:
+        return p.ndim == 2 if group["precondition"] is None else bool(group["precondition"])
+
+    def _validate_group(self, group: dict) -> None:
+        b1, b2 = group["betas"] if len(group["betas"]) == 2 else (-1, -1)
+        checks = [
+            ("lr", group["lr"] >= 0),
+            ("betas", 0 <= b1 < 1 and 0 < b2 <= 1),
+            ("epsilon", group["epsilon"] > 0),
+            ("momentum", 0 <= group["momentum"] < 1),
+            ("dampening", 0 <= group["dampening"] < 1),
+            ("weight_decay", group["weight_decay"] >= 0),
+            ("max_preconditioner_dim", _positive_int(group["max_preconditioner_dim"])),
+            ("precondition_frequency", _positive_int(group["precondition_frequency"])),
+            ("start_preconditioning_step", _positive_int(group["start_preconditioning_step"])),
+            ("graft_beta2", 0 < group["graft_beta2"] <= 1),
+            ("graft_epsilon", group["graft_epsilon"] > 0),
+            ("precondition", group["precondition"] in (None, False, True)),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"Shampoo: invalid {name}={group[name]!r}")
+        if group["start_preconditioning_step"] < group["precondition_frequency"]:
+            raise ValueError(
+                "Shampoo: start_preconditioning_step="
+                f"{group['start_preconditioning_step']} must be >= precondition_frequency="
+                f"{group['precondition_frequency']} (the roots are first computed then)")
+
+    def _check_matrix(self, group: dict, p: torch.Tensor, index: str) -> None:
+        if p.ndim != 2:
+            raise ValueError(f"Shampoo: precondition=True needs 2-D parameters; {index} has "
+                             f"shape {list(p.shape)}")
+
+    def _init_state(self, p: torch.Tensor, group: dict, matrix: bool) -> None:
+        state = self.state[p]
+        state.setdefault("step", torch.tensor(0.0))
+        if not matrix:
+            state.setdefault("exp_avg", torch.zeros_like(p))
+            state.setdefault("exp_avg_sq", torch.zeros_like(p))
+        if group["momentum"] > 0:
+            state.setdefault("momentum_buffer", torch.zeros_like(p))
+
+    def _tiles(self, m: Matrix) -> list[tuple[int, int, int, int]]:
+        """(row0, rows, col0, cols) of every block of `m`, row-major."""
+        d = m.group["max_preconditioner_dim"]
+        rows, cols = m.param.shape
+        out, r0 = [], 0
+        for a in tiles(rows, d):
+            c0 = 0
+            for b in tiles(cols, d):
+                out.append((r0, a, c0, b))
+                c0 += b
+            r0 += a
+        return out
+
+    def _owner_state(self, m: Matrix) -> dict:
+        shape = tuple(m.param.shape)
+        out = {"exp_avg": (shape, torch.float32), "exp_avg_sq": (shape, torch.float32)}
+        for k, (_, a, _, b) in enumerate(self._tiles(m)):
+            out[f"factor_left_{k}"] = ((a, a), torch.float32)
+            out[f"factor_right_{k}"] = ((b, b), torch.float32)
+            out[f"root_left_{k}"] = ((a, a), torch.float32)
+            out[f"root_right_{k}"] = ((b, b), torch.float32)
+        return out
+
+    def _plan_options(self, group: dict) -> dict:
+        return dict(cost="shampoo", precondition_frequency=group["precondition_frequency"],
+                    max_preconditioner_dim=group["max_preconditioner_dim"])
+
+    def _prepare(self, m: Matrix, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+    def _after_matrix(self, m: Matrix) -> None:
+        self.state[m.param]["step"] += 1
+
+    def _compute(self, m: Matrix, full: torch.Tensor) -> torch.Tensor:
+        group = m.group
+        g = full.view(m.param.shape).float()
+        t = int(self.state[m.param]["step"]) + 1
+        b1, b2 = group["betas"]
+        owned = lambda name: self.owned_state(m, name)  # noqa: E731
+        exp_avg, exp_avg_sq = owned("exp_avg"), owned("exp_avg_sq")
+        graft = _graft(g, exp_avg, exp_avg_sq, t, group)  # also moves the moments
+        filtered = _filtered(exp_avg, g, t, group)
+        f = group["precondition_frequency"]
+        refresh = t % f == 0 and t >= group["start_preconditioning_step"]
+        precondition = t >= group["start_preconditioning_step"]
+        direction = torch.empty_like(g)
+        for k, (r0, a, c0, b) in enumerate(self._tiles(m)):
+            block = g[r0:r0 + a, c0:c0 + b]
+            fl, fr = owned(f"factor_left_{k}"), owned(f"factor_right_{k}")
+            _accumulate(fl, block @ block.T, b2)
+            _accumulate(fr, block.T @ block, b2)
+            rl, rr = owned(f"root_left_{k}"), owned(f"root_right_{k}")
+            if refresh:
+                scale = 1.0 - b2**t if (b2 < 1 and group["use_bias_correction"]) else 1.0
+                rl.copy_(inverse_root(fl / scale, 4, group["epsilon"]))
+                rr.copy_(inverse_root(fr / scale, 4, group["epsilon"]))
+            out = direction[r0:r0 + a, c0:c0 + b]
+            grafted = graft[r0:r0 + a, c0:c0 + b]
+            if not precondition:
+                out.copy_(grafted)
+                continue
+            s = rl @ filtered[r0:r0 + a, c0:c0 + b] @ rr
+            norm = s.norm()
+            if norm > 0:
+                s.mul_(grafted.norm() / norm)
+            out.copy_(s)
+        return direction.reshape(-1)
+
+    def _apply(self, m: Matrix, piece: torch.Tensor) -> None:
+        _descend(m.param, piece, self.state[m.param], m.group)
+
+    def _step_elementwise(self, p: torch.Tensor, g: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        t = int(state["step"]) + 1
+        exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
+        direction = _graft(g, exp_avg, exp_avg_sq, t, group)
+        state["step"] += 1
+        _descend(p, direction.reshape(-1), state, group)
+
+
+def _accumulate(factor: torch.Tensor, gram: torch.Tensor, beta2: float) -> None:
+    if beta2 == 1.0:
+        factor.add_(gram)
+    else:
+        factor.mul_(beta2).add_(gram, alpha=1 - beta2)
+
+
+def _filtered(exp_avg: torch.Tensor, g: torch.Tensor, t: int, group: dict) -> torch.Tensor:
+    """M_hat: the bias-corrected first moment (already updated), or G when beta1 = 0."""
+    b1 = group["betas"][0]
+    if b1 == 0:
+        return g
+    if group["use_bias_correction"]:
+        return exp_avg / (1.0 - b1**t)
+    return exp_avg
+
+
+def _graft(g, exp_avg, exp_avg_sq, t: int, group: dict) -> torch.Tensor:
+    """Moves M and V by G and returns Adam's grafting direction M_hat / (sqrt(V_hat) + eps)."""
+    b1, gb2 = group["betas"][0], group["graft_beta2"]
+    if b1 > 0:
+        exp_avg.mul_(b1).add_(g, alpha=1 - b1)
+    if gb2 == 1.0:
+        exp_avg_sq.addcmul_(g, g)
+    else:
+        exp_avg_sq.mul_(gb2).addcmul_(g, g, value=1 - gb2)
+    v = exp_avg_sq / (1.0 - gb2**t) if (gb2 < 1 and group["use_bias_correction"]) else exp_avg_sq
+    return _filtered(exp_avg, g, t, group) / v.sqrt().add_(group["graft_epsilon"])
+
+
+def _descend(p: torch.Tensor, direction: torch.Tensor, state: dict, group: dict) -> None:
+    """Decoupled weight decay, momentum (Nesterov), then p -= lr * direction, on the local
+    shard (`direction` flat in its order)."""
+    param = local(p).view(-1)
+    lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+    if wd > 0:
+        param.mul_(1 - lr * wd)
+    if mu > 0:
+        buf = local(state["momentum_buffer"]).view(-1)
+        buf.mul_(mu).add_(direction, alpha=1 - group["dampening"])
+        direction = direction.add(buf, alpha=mu) if group["use_nesterov"] else buf
+    param.add_(direction, alpha=-lr)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -1,0 +1,221 @@
+"""`veragged.optim.SOAP`: Adam in the eigenbasis of Shampoo's Kronecker factors, sharded or not."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+from veragged.optim.common import local
+from veragged.optim.engine import Matrix, MatrixOptimizer
+from veragged.optim.kronecker import (
+    eigenbasis,
+    project,
+    project_back,
+    refresh_eigenbasis,
+    side_grams,
+)
+
+__all__ = ["SOAP"]
+
+
+class SOAP(MatrixOptimizer):
+    """SOAP (Vyas et al. 2024, arXiv 2409.11321; nikhilvyas/SOAP's `soap.py`).
+
+    Per 2-D parameter G (r x c) with Kronecker factors L (r x r) and R (c x c) and their
+    eigenbases Q_L, Q_R (a side longer than `max_precond_dim` is not preconditioned: identity):
+      - the first step only sets L = (1 - b) G G^T, R = (1 - b) G^T G (b = `shampoo_beta`, or
+        `betas[1]` when negative) and Q_L, Q_R = eigh eigenvectors by descending eigenvalue; the
+        parameter does not move (nor decay) on that step;
+      - each later step t = 1, 2, ...: G' = Q_L^T G Q_R; Adam's moments in the eigenbasis
+        M = b1 M + (1 - b1) G', V = b2 V + (1 - b2) G'^2; N = Q_L (M / (sqrt(V) + eps)) Q_R^T;
+        p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * N (`correct_bias`, else lr * N); then the
+        decoupled decay p -= lr * weight_decay * p; then L, R take G (the same EMA), and every
+        `precondition_frequency` steps the bases are refreshed by one power iteration and QR
+        (Q <- qr(F Q[:, order]), order by the estimated eigenvalues diag(Q^T F Q) descending),
+        V's rows/columns are permuted by that order and M is rotated from the old basis into
+        the new one. (The reference rotates M back and forth on every step; with an unchanged
+        basis that is the identity up to round-off, so it is done only on a refresh.)
+    Other parameters (1-D, both sides longer than `max_precond_dim`, or a group with
+    `precondition=False`) take the same Adam steps in their own coordinates, elementwise on
+    the local shard, also skipping their first step (as the reference does).
+
+    Distributed: as Muon ([Note: matrix optimizer engine]): each matrix's gradient travels whole
+    to its owner (plan cost model "soap"), which holds L, R, Q_L, Q_R, M and V whole
+    ([Note: owner-resident state]) and returns N; every rank applies its piece.
+    Param groups may set any hyper-parameter and `precondition` (None: 2-D parameters, False:
+    Adam only).
+    """
+
+    _NAME = "SOAP"
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 3e-3,
+        betas: tuple[float, float] = (0.95, 0.95),
+        shampoo_beta: float = -1.0,
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        precondition_frequency: int = 10,
+        max_precond_dim: int = 10000,
+        correct_bias: bool = True,
+        *,
+        owners: str = "lpt",
+        alpha: float = 1.0,
+        capacity: int | None = None,
+        grad_agreement: str = "auto",
+    ):
+        defaults = dict(
+            lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps,
+            weight_decay=weight_decay, precondition_frequency=precondition_frequency,
+            max_precond_dim=max_precond_dim, correct_bias=correct_bias, precondition=None,
+        )
+        super().__init__(params, defaults, owners=owners, alpha=alpha, capacity=capacity,
+                         grad_agreement=grad_agreement)
+
+    # --- engine hooks ([Note: matrix optimizer engine]) -----------------------------------------
+
+    @staticmethod
+    def _sides(group: dict, p: torch.Tensor) -> tuple[bool, bool]:
+        d = group["max_precond_dim"]
+        return p.shape[0] <= d, p.shape[1] <= d
+
+    def _is_matrix(self, group: dict, p: torch.Tensor) -> bool:
+        if group["precondition"] is False or p.ndim != 2:
+            return False
+        return any(self._sides(group, p))
+
+    def _validate_group(self, group: dict) -> None:
+        b1, b2 = group["betas"] if len(group["betas"]) == 2 else (-1, -1)
+        checks = [
+            ("lr", group["lr"] >= 0),
+            ("betas", 0 <= b1 < 1 and 0 <= b2 < 1),
+            ("shampoo_beta", group["shampoo_beta"] < 1),
+            ("eps", group["eps"] >= 0),
+            ("weight_decay", group["weight_decay"] >= 0),
+            ("precondition_frequency", _positive_int(group["precondition_frequency"])),
+            ("max_precond_dim", _positive_int(group["max_precond_dim"])),
+            ("precondition", group["precondition"] in (None, False, True)),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"SOAP: invalid {name}={group[name]!r}")
+
+    def _check_matrix(self, group: dict, p: torch.Tensor, index: str) -> None:
+        if p.ndim != 2:
+            raise ValueError(f"SOAP: precondition=True needs 2-D parameters; {index} has shape "
+                             f"{list(p.shape)}")
+
+    def _init_state(self, p: torch.Tensor, group: dict, matrix: bool) -> None:
+        state = self.state[p]
+        state.setdefault("step", torch.tensor(0.0))  # calls so far; the first only initialises
+        if not matrix:
+            state.setdefault("exp_avg", torch.zeros_like(p))
+            state.setdefault("exp_avg_sq", torch.zeros_like(p))
+
+    def _owner_state(self, m: Matrix) -> dict:
+        rows, cols = m.param.shape
+        left, right = self._sides(m.group, m.param)
+        out = {"exp_avg": ((rows, cols), torch.float32), "exp_avg_sq": ((rows, cols), torch.float32)}
+        if left:
+            out["factor_left"] = ((rows, rows), torch.float32)
+            out["basis_left"] = ((rows, rows), torch.float32)
+        if right:
+            out["factor_right"] = ((cols, cols), torch.float32)
+            out["basis_right"] = ((cols, cols), torch.float32)
+        return out
+
+    def _plan_options(self, group: dict) -> dict:
+        return dict(cost="soap", precondition_frequency=group["precondition_frequency"],
+                    max_preconditioner_dim=group["max_precond_dim"])
+
+    def _prepare(self, m: Matrix, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+    def _has_update(self, m: Matrix) -> bool:
+        return bool(self.state[m.param]["step"] > 0)
+
+    def _after_matrix(self, m: Matrix) -> None:
+        self.state[m.param]["step"] += 1
+
+    def _compute(self, m: Matrix, full: torch.Tensor):
+        group = m.group
+        g = full.view(m.param.shape).float()
+        left, right = self._sides(group, m.param)
+        owned = lambda name: self.owned_state(m, name)  # noqa: E731
+        fl = owned("factor_left") if left else None
+        fr = owned("factor_right") if right else None
+        ql = owned("basis_left") if left else None
+        qr = owned("basis_right") if right else None
+        decay = 1 - (group["shampoo_beta"] if group["shampoo_beta"] >= 0 else group["betas"][1])
+        t = int(self.state[m.param]["step"])
+        if t == 0:
+            _accumulate(g, fl, fr, decay)
+            for f, q in ((fl, ql), (fr, qr)):
+                if f is not None:
+                    q.copy_(eigenbasis(f))
+            return None
+        b1, b2 = group["betas"]
+        exp_avg, exp_avg_sq = owned("exp_avg"), owned("exp_avg_sq")
+        projected = project(g, ql, qr)
+        exp_avg.mul_(b1).add_(projected, alpha=1 - b1)
+        exp_avg_sq.mul_(b2).add_(projected.square(), alpha=1 - b2)
+        denom = exp_avg_sq.sqrt().add_(group["eps"])
+        update = project_back(exp_avg / denom, ql, qr)
+        _accumulate(g, fl, fr, decay)
+        if t % group["precondition_frequency"] == 0:
+            moment = project_back(exp_avg, ql, qr)
+            for dim, (f, q) in enumerate(((fl, ql), (fr, qr))):
+                if f is None:
+                    continue
+                basis, order = refresh_eigenbasis(f, q)
+                exp_avg_sq.copy_(exp_avg_sq.index_select(dim, order))
+                q.copy_(basis)
+            exp_avg.copy_(project(moment, ql, qr))
+        return update.reshape(-1)
+
+    def _step_size(self, group: dict, t: int) -> float:
+        if not group["correct_bias"]:
+            return group["lr"]
+        b1, b2 = group["betas"]
+        return group["lr"] * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
+
+    def _apply(self, m: Matrix, piece: torch.Tensor) -> None:
+        group = m.group
+        _descend(local(m.param).view(-1), piece, self._step_size(group, int(self.state[m.param]["step"])),
+                 group)
+
+    def _step_elementwise(self, p: torch.Tensor, g: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        t = int(state["step"])
+        state["step"] += 1
+        if t == 0:
+            return
+        b1, b2 = group["betas"]
+        exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
+        exp_avg.mul_(b1).add_(g, alpha=1 - b1)
+        exp_avg_sq.mul_(b2).add_(g.square(), alpha=1 - b2)
+        denom = exp_avg_sq.sqrt().add_(group["eps"])
+        _descend(local(p), exp_avg / denom, self._step_size(group, t), group)
+
+
+def _accumulate(g: torch.Tensor, fl, fr, decay: float) -> None:
+    """L <- lerp(L, G G^T, decay), R <- lerp(R, G^T G, decay) (None sides skipped)."""
+    gl, gr = side_grams(g, fl is not None, fr is not None)
+    if fl is not None:
+        fl.lerp_(gl, decay)
+    if fr is not None:
+        fr.lerp_(gr, decay)
+
+
+def _descend(param: torch.Tensor, update: torch.Tensor, step_size: float, group: dict) -> None:
+    """p -= step_size * update, then the decoupled decay p -= lr * weight_decay * p."""
+    param.add_(update, alpha=-step_size)
+    if group["weight_decay"] > 0:
+        param.add_(param, alpha=-group["lr"] * group["weight_decay"])
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
