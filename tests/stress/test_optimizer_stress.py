@@ -47,12 +47,19 @@ def _optimizer(name, model):
     if name == "muon":
         return veragged.optim.Muon(muon_param_groups(model), lr=0.02, weight_decay=0.1,
                                    grad_agreement="mesh")
+    if name == "shampoo":  # blocked matrices (64 -> 48 + 16), roots every 2 steps
+        return veragged.optim.Shampoo(model.parameters(), lr=1e-3, weight_decay=0.01,
+                                      betas=(0.9, 0.999), max_preconditioner_dim=48,
+                                      precondition_frequency=2, grad_agreement="mesh")
+    if name == "soap":  # the 128-wide w1/w3/w2 keep one side; bases refreshed every 3 steps
+        return veragged.optim.SOAP(model.parameters(), lr=1e-3, max_precond_dim=100,
+                                   precondition_frequency=3, grad_agreement="mesh")
     return veragged.optim.AdamW8bit(model.parameters(), lr=1e-3, weight_decay=0.1,
                                     grad_agreement="mesh")
 
 
 def _granularity(name):
-    if name == "muon":
+    if name in ("muon", "shampoo", "soap"):
         return lambda fqn, p: p.numel() if fqn.endswith("w2.weight") else None
     return veragged.optim.adamw8bit_granularity()
 
@@ -100,7 +107,7 @@ def _stress(name, steps, sample):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("name", ["muon", "adamw8bit"])
+@pytest.mark.parametrize("name", ["muon", "adamw8bit", "shampoo", "soap"])
 def test_asymmetric_grad_presence_stays_bitwise(name, world):
     timeout = 3000 if LONG else 240
     for worst, seen in run_on_ranks(_stress, world, args=(name, STEPS, SAMPLE), timeout=timeout):
