@@ -67,11 +67,12 @@ def refresh_eigenbasis(factor: torch.Tensor, q: torch.Tensor):
 
 def inverse_root(factor: torch.Tensor, root: int, epsilon: float) -> torch.Tensor:
     """(F + epsilon I)^(-1/root) of the symmetric positive semi-definite `factor` by a
-    symmetric eigendecomposition in float64 (eigenvalues clamped at 0 before epsilon is added,
-    so round-off negatives cannot produce NaN), returned in `factor`'s dtype."""
+    symmetric eigendecomposition in float64, returned in `factor`'s dtype. As Distributed
+    Shampoo does, a negative smallest eigenvalue (round-off) shifts all of them up to 0 before
+    epsilon is added, so the root is never NaN."""
     f = factor.double()
     values, vectors = torch.linalg.eigh(f)
-    values = values.clamp(min=0.0).add(epsilon).pow(-1.0 / root)
+    values = (values - values.min().clamp(max=0.0)).add(epsilon).pow(-1.0 / root)
     return ((vectors * values) @ vectors.T).to(factor.dtype)
 
 

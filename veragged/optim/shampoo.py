@@ -25,10 +25,11 @@ class Shampoo(MatrixOptimizer):
 
     Per block G (a x b), with step t = 1, 2, ... counted per parameter:
       - factors: L = beta2 L + (1 - beta2) G G^T, R = beta2 R + (1 - beta2) G^T G (beta2 = 1:
-        plain sums); every `precondition_frequency` steps from `start_preconditioning_step`
-        on, the roots L^-1/4, R^-1/4 are recomputed from the bias-corrected factors
-        F / (1 - beta2^t) (when beta2 < 1) by an eigendecomposition in float64 with eigenvalues
-        shifted to be >= 0 and `epsilon` added;
+        plain sums); on every step t that `precondition_frequency` divides, the roots L^-1/4,
+        R^-1/4 are recomputed from the bias-corrected factors F / (1 - beta2^t) (when
+        beta2 < 1) by an eigendecomposition in float64 with eigenvalues shifted to be >= 0 and
+        `epsilon` added (`start_preconditioning_step` must be >= `precondition_frequency`, so
+        the first preconditioned step has roots);
       - grafting (Adam): V = graft_beta2 V + (1 - graft_beta2) G^2, graft = M_hat /
         (sqrt(V / (1 - graft_beta2^t)) + graft_epsilon);
       - M = beta1 M + (1 - beta1) G, M_hat = M / (1 - beta1^t) (beta1 = 0: M_hat = G);
@@ -168,7 +169,7 @@ class Shampoo(MatrixOptimizer):
         graft = _graft(g, exp_avg, exp_avg_sq, t, group)  # also moves the moments
         filtered = _filtered(exp_avg, g, t, group)
         f = group["precondition_frequency"]
-        refresh = t % f == 0 and t >= group["start_preconditioning_step"]
+        refresh = t % f == 0  # also before the start, so the first preconditioned step has roots
         precondition = t >= group["start_preconditioning_step"]
         direction = torch.empty_like(g)
         for k, (r0, a, c0, b) in enumerate(self._tiles(m)):
