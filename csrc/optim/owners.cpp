@@ -1,4 +1,4 @@
-// plan_owners: input checks, the four cost models and the three strategies of
+// plan_owners: input checks, the four cost models and the four strategies of
 // [Note: matrix owner plan].
 
 #include "optim/owners.h"
@@ -277,13 +277,48 @@ OwnerPlan plan_alpha(const std::vector<int64_t>& costs, const std::vector<int64_
   return plan;
 }
 
+// Layer-wise: each bucket whole on one rank, buckets by LPT over their total costs.
+OwnerPlan plan_layer(const std::vector<int64_t>& costs, const std::vector<int64_t>& buckets,
+                     int64_t world_size) {
+  const std::size_t n = costs.size();
+  std::map<int64_t, std::pair<int64_t, std::vector<int64_t>>> members;  // id -> (load, matrices)
+  for (std::size_t i = 0; i < n; ++i) {
+    auto& bucket = members[buckets.empty() ? static_cast<int64_t>(i) : buckets[i]];
+    bucket.first += costs[i];  // no overflow: matrix_costs checked the grand total
+    bucket.second.push_back(static_cast<int64_t>(i));
+  }
+  std::vector<std::pair<int64_t, int64_t>> order;  // (load, id)
+  for (const auto& entry : members) order.push_back({entry.second.first, entry.first});
+  std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  });
+  using Slot = std::pair<int64_t, int64_t>;  // (load, rank): least loaded, then lower rank
+  std::priority_queue<Slot, std::vector<Slot>, std::greater<Slot>> heap;
+  for (int64_t r = 0; r < world_size; ++r) heap.push({0, r});
+  OwnerPlan plan;
+  plan.owners.assign(n, 0);
+  for (const auto& bucket : order) {
+    const Slot slot = heap.top();
+    heap.pop();
+    for (int64_t i : members[bucket.second].second) plan.owners[i] = slot.second;
+    heap.push({slot.first + bucket.first, slot.second});
+  }
+  if (n > 0) {
+    plan.groups.emplace_back(n);
+    for (std::size_t i = 0; i < n; ++i) plan.groups[0][i] = static_cast<int64_t>(i);
+  }
+  plan.loads = rank_loads(plan.owners, costs, world_size);
+  return plan;
+}
+
 }  // namespace
 
 Strategy parse_strategy(const std::string& name) {
   if (name == "naive") return Strategy::kNaive;
   if (name == "lpt") return Strategy::kLpt;
   if (name == "alpha") return Strategy::kAlpha;
-  fail("unknown strategy '" + name + "' (expected naive, lpt or alpha)");
+  if (name == "layer") return Strategy::kLayer;
+  fail("unknown strategy '" + name + "' (expected naive, lpt, alpha or layer)");
 }
 
 Cost parse_cost(const std::string& name) {
@@ -368,6 +403,8 @@ OwnerPlan plan_owners(const std::vector<std::vector<Block>>& matrices,
       return plan_lpt(costs, world_size, options.capacity);
     case Strategy::kAlpha:
       return plan_alpha(costs, buckets, world_size, options.alpha);
+    case Strategy::kLayer:
+      return plan_layer(costs, buckets, world_size);
   }
   fail("unknown strategy " + str(static_cast<int64_t>(options.strategy)));
 }

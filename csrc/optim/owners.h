@@ -81,14 +81,23 @@ namespace optim {
 //          boundary; never before the previous cut). alpha = 1 balances compute, alpha = 0
 //          cuts every bucket evenly (ZeRO-1 communication balance). One micro-group per
 //          non-empty bucket, in ascending bucket id, members in input order; capacity unused.
-// Buckets are used by alpha only (the others validate and ignore them); without buckets every
-// matrix is in bucket 0.
+//   layer  The layer-wise baseline (NVIDIA's layer-wise distributed optimizer, Distributed
+//          Shampoo's per-parameter assignment): each bucket (a layer, or a parameter group)
+//          goes whole to one rank. Buckets are placed by greedy LPT over their total costs:
+//          largest total first (ties: lower bucket id), each to the least loaded rank (ties:
+//          lower rank). Without buckets every matrix is its own bucket, which is LPT over
+//          matrices without micro-groups. One micro-group holding every matrix in input order
+//          (one exchange, as the layer-wise optimizer's single all-gatherv); capacity unused.
+//          Its balance is bounded by the largest bucket, so it is the baseline lpt and alpha
+//          improve on.
+// Buckets are used by alpha and layer only (naive and lpt validate and ignore them); without
+// buckets every matrix is in bucket 0 for alpha and in a bucket of its own for layer.
 
-enum class Strategy : int64_t { kNaive = 0, kLpt = 1, kAlpha = 2 };
+enum class Strategy : int64_t { kNaive = 0, kLpt = 1, kAlpha = 2, kLayer = 3 };
 enum class Cost : int64_t { kFlops = 0, kNumel = 1, kShampoo = 2, kSoap = 3 };
 
-// "naive" | "lpt" | "alpha" and "flops" | "numel" | "shampoo" | "soap"; std::invalid_argument
-// on anything else.
+// "naive" | "lpt" | "alpha" | "layer" and "flops" | "numel" | "shampoo" | "soap";
+// std::invalid_argument on anything else.
 Strategy parse_strategy(const std::string& name);
 Cost parse_cost(const std::string& name);
 

@@ -1,5 +1,6 @@
 // The matrix owner plan (csrc/optim/owners.h): invariants of every strategy, LPT against a brute
-// force optimum and an independent LPT, micro-group capacity, alpha's two extremes, errors.
+// force optimum and an independent LPT, micro-group capacity, alpha's two extremes, layer's
+// whole buckets, errors.
 
 #include <gtest/gtest.h>
 
@@ -398,8 +399,72 @@ TEST(OwnerPlan, AlphaOneBalancesBetterThanAlphaZero) {
   EXPECT_LT(sum_fill, 0.9 * sum_even);  // about 1.08 vs 1.28 on average
 }
 
+TEST(OwnerPlan, LayerPutsEachBucketWholeOnOneRankByLpt) {
+  // Buckets 0 = {5, 3} (8), 1 = {1, 1} (2), 2 = {4, 4} (8), 3 = {6} (6), world 2. By total,
+  // ties by lower id: 0 (8) -> rank 0, 2 (8) -> rank 1, 3 (6) -> rank 0 (8 | 8, lower rank),
+  // 1 (2) -> rank 1 (14 | 8).
+  const std::vector<int64_t> costs = {5, 3, 1, 4, 1, 4, 6};
+  const std::vector<int64_t> buckets = {0, 0, 1, 2, 1, 2, 3};
+  const auto p = plan(costs, 2, options(vo::Strategy::kLayer), buckets);
+  check_invariants(p, costs, 2);
+  EXPECT_EQ(p.owners, (std::vector<int64_t>{0, 0, 1, 1, 1, 1, 0}));
+  EXPECT_EQ(p.loads, (std::vector<int64_t>{14, 10}));
+  EXPECT_EQ(p.groups, (std::vector<std::vector<int64_t>>{{0, 1, 2, 3, 4, 5, 6}}));
+  EXPECT_EQ(p.capacity, 0);
+  EXPECT_DOUBLE_EQ(p.ratio(), 14.0 * 2 / 24);
+}
+
+TEST(OwnerPlan, LayerWithoutBucketsIsLptOverMatrices) {
+  std::mt19937_64 rng(19);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int64_t world = 1 + static_cast<int64_t>(rng() % 9);
+    const auto costs = random_costs(rng, rng() % 60, trial % 2 ? 5 : 1000);  // 5: many ties
+    const auto p = plan(costs, world, options(vo::Strategy::kLayer));
+    check_invariants(p, costs, world);
+    EXPECT_EQ(p.owners, reference_lpt(costs, world)) << "trial " << trial;
+    // Distinct bucket ids in input order: the same plan.
+    std::vector<int64_t> ids(costs.size());
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(3 * i + 1);
+    EXPECT_EQ(plan(costs, world, options(vo::Strategy::kLayer), ids).owners, p.owners);
+    EXPECT_LE(p.groups.size(), 1u);
+  }
+}
+
+TEST(OwnerPlan, LayerBucketsStayWholeAndFollowBucketLpt) {
+  std::mt19937_64 rng(23);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int64_t world = 1 + static_cast<int64_t>(rng() % 8);
+    const auto costs = random_costs(rng, rng() % 50, 100);
+    std::vector<int64_t> buckets(costs.size());
+    for (auto& b : buckets) b = static_cast<int64_t>(rng() % 7);
+    const auto p = plan(costs, world, options(vo::Strategy::kLayer, 7, 0.5), buckets);
+    check_invariants(p, costs, world);
+    // One group, input order.
+    if (!costs.empty()) {
+      ASSERT_EQ(p.groups.size(), 1u);
+      for (size_t k = 0; k < costs.size(); ++k) EXPECT_EQ(p.groups[0][k], static_cast<int64_t>(k));
+    }
+    // Bucket totals in ascending id (the dense order reference_lpt breaks ties by), and their
+    // owners: textbook LPT over the totals.
+    std::vector<int64_t> ids(buckets), totals;
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+    for (int64_t id : ids) {
+      int64_t total = 0;
+      for (size_t i = 0; i < costs.size(); ++i) total += buckets[i] == id ? costs[i] : 0;
+      totals.push_back(total);
+    }
+    const auto bucket_owners = reference_lpt(totals, world);
+    for (size_t i = 0; i < costs.size(); ++i) {
+      const size_t k = std::lower_bound(ids.begin(), ids.end(), buckets[i]) - ids.begin();
+      EXPECT_EQ(p.owners[i], bucket_owners[k]) << "trial " << trial << " matrix " << i;
+    }
+  }
+}
+
 TEST(OwnerPlan, EmptyAndZeroCostInputs) {
-  for (auto s : {vo::Strategy::kNaive, vo::Strategy::kLpt, vo::Strategy::kAlpha}) {
+  for (auto s : {vo::Strategy::kNaive, vo::Strategy::kLpt, vo::Strategy::kAlpha,
+                 vo::Strategy::kLayer}) {
     const auto empty = plan({}, 3, options(s));
     EXPECT_TRUE(empty.owners.empty() && empty.groups.empty());
     EXPECT_EQ(empty.loads, (std::vector<int64_t>{0, 0, 0}));
@@ -425,7 +490,8 @@ TEST(OwnerPlan, ErrorsNameTheArgument) {
                  "matrices[0] block 0: cols must be >= 0, got -1");
   expect_invalid([&] { vo::plan_owners({{{2, 2}}, {}}, {}, 2, lpt); }, "matrices[1] has no blocks");
   expect_invalid([] { vo::parse_strategy("greedy"); },
-                 "unknown strategy 'greedy' (expected naive, lpt or alpha)");
+                 "unknown strategy 'greedy' (expected naive, lpt, alpha or layer)");
+  EXPECT_EQ(vo::parse_strategy("layer"), vo::Strategy::kLayer);
   expect_invalid([] { vo::parse_cost("bytes"); },
                  "unknown cost 'bytes' (expected flops, numel, shampoo or soap)");
   EXPECT_EQ(vo::parse_cost("shampoo"), vo::Cost::kShampoo);

@@ -1,4 +1,5 @@
-"""veragged.optim.owners.plan_owners: the binding, a pure-Python reference of "lpt", errors."""
+"""veragged.optim.owners.plan_owners: the binding, pure-Python references of "lpt" and "layer",
+errors; "layer" through Muon, Shampoo and SOAP on 4 ranks."""
 
 import heapq
 import random
@@ -6,7 +7,8 @@ import random
 import pytest
 
 import veragged  # noqa: F401  (loads the extension: torch.ops.veragged.*)
-from veragged.optim.owners import COSTS, OwnerPlan, block_costs, plan_owners
+from veragged.optim.owners import COSTS, STRATEGIES, OwnerPlan, block_costs, plan_owners
+from veragged.testing import run_on_ranks
 
 
 def split(n, size):
@@ -199,7 +201,7 @@ def test_preconditioner_costs_match_reference_and_plans(seed, cost):
         for (rows, cols), split in zip(shapes, splits, strict=True)
     ]
     assert costs == want
-    for strategy in ("lpt", "naive", "alpha"):
+    for strategy in ("lpt", "naive", "alpha", "layer"):
         plan = plan_owners(shapes, world, strategy=strategy, split_sizes=splits, **kwargs)
         again = plan_owners(shapes, world, strategy=strategy, split_sizes=splits, **kwargs)
         assert plan == again  # deterministic
@@ -272,3 +274,106 @@ def test_type_errors():
         plan_owners([(4, 2.5)], 2)
     with pytest.raises(TypeError, match=r"alpha must be a real number"):
         plan_owners([(4, 4)], 2, alpha="1")
+
+
+def reference_layer(costs, buckets, world):
+    """Each bucket whole on one rank: buckets by total cost descending (ties: lower id), each to
+    the least loaded rank (ties: lower rank); without buckets, each matrix its own bucket."""
+    if buckets is None:
+        buckets = list(range(len(costs)))
+    totals = {}
+    for c, b in zip(costs, buckets, strict=True):
+        totals[b] = totals.get(b, 0) + c
+    loads, home = [0] * world, {}
+    for b in sorted(totals, key=lambda b: (-totals[b], b)):
+        rank = min(range(world), key=lambda r: (loads[r], r))
+        home[b], loads[rank] = rank, loads[rank] + totals[b]
+    owners = tuple(home[b] for b in buckets)
+    groups = (tuple(range(len(costs))),) if costs else ()
+    return OwnerPlan(owners, groups, tuple(loads), 0)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_layer_matches_python_reference(seed):
+    rng = random.Random(seed)
+    shapes, splits = random_instance(rng)
+    world = rng.randrange(1, 10)
+    cost = rng.choice(COSTS)
+    buckets = rng.choice([None, [rng.randrange(0, 6) for _ in shapes]])
+    costs = block_costs(shapes, cost, split_sizes=splits)
+    got = plan_owners(shapes, world, strategy="layer", cost=cost, split_sizes=splits,
+                      buckets=buckets, capacity=5, alpha=0.5)  # both ignored
+    assert got == reference_layer(costs, buckets, world)
+    if buckets is not None:
+        for b in set(buckets):  # a bucket never spans ranks
+            assert len({o for o, ob in zip(got.owners, buckets, strict=True) if ob == b}) == 1
+
+
+@pytest.mark.parametrize("world", [16, 64])
+def test_layer_is_the_coarse_baseline_on_llama(world):
+    """Whole layers per rank: with 32 layers the balance is bounded by the layer count, so lpt
+    (any matrix anywhere) and alpha (runs of each layer) are far better at large DP."""
+    shapes = llama3_8b_shapes()
+    layers = [i // 7 for i in range(len(shapes))]
+    layer = plan_owners(shapes, world, strategy="layer", buckets=layers)
+    lpt = plan_owners(shapes, world)
+    assert "layer" in STRATEGIES
+    assert layer.groups == (tuple(range(len(shapes))),)
+    for i in range(0, len(shapes), 7):
+        assert len(set(layer.owners[i : i + 7])) == 1
+    # 32 equal layers: 2 per rank at 16 (exact), one rank in two idle at 64 (ratio 2).
+    assert layer.ratio == pytest.approx(1.0 if world == 16 else 2.0)
+    assert lpt.ratio <= 1.06
+    # Without buckets each matrix is its own bucket: LPT over matrices, in one group.
+    alone = plan_owners(shapes, world, strategy="layer")
+    assert alone.owners == lpt.owners and len(alone.groups) == 1
+
+
+def _layerwise_vs_one_process(name):
+    """`name` with one param group per transformer block (and one elementwise group for
+    embedding, head and final norm) and owners="layer", against one process."""
+    import veragged
+    from matrix_cases import CFG, full_values, model
+    from veragged.testing import get_mesh
+    from veragged.testing.grads import set_grads
+
+    cfg = type(CFG)(**{**CFG.__dict__, "layers": 4})
+    flag = {"muon": "use_muon", "shampoo": "precondition", "soap": "precondition"}[name]
+    maker = {"muon": veragged.optim.Muon, "shampoo": veragged.optim.Shampoo,
+             "soap": veragged.optim.SOAP}[name]
+    kw = {"soap": dict(precondition_frequency=3), "shampoo": dict(max_preconditioner_dim=24)}
+
+    def layer_groups(m):
+        blocks = [{"params": list(b.parameters())} for b in m.blocks]
+        inner = {id(p) for b in m.blocks for p in b.parameters()}
+        rest = [p for p in m.parameters() if id(p) not in inner]
+        return blocks + [{"params": rest, flag: False}]
+
+    m = model("veragged", get_mesh(), cfg)
+    opt = maker(layer_groups(m), owners="layer", grad_agreement="mesh", **kw.get(name, {}))
+    ref_model = model("single", None, cfg)
+    ref = maker(layer_groups(ref_model), **kw.get(name, {}))
+    params, ref_params = list(m.parameters()), list(ref_model.parameters())
+    for step in range(4):
+        for p, g in zip(ref_params, set_grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+        ref.step()
+    diffs = [(a - b).abs().max().item() for a, b in zip(full_values(params), ref_params,
+                                                       strict=True)]
+    per_block = [sorted({mt.owner for mt in opt.matrices() if mt.group is g})
+                 for g in opt.param_groups[:-1]]
+    plan = opt.owner_plans[0]
+    return diffs, per_block, (plan.owners, plan.groups)
+
+
+@pytest.mark.parametrize("name", ["muon", "shampoo", "soap"])
+def test_layer_owners_distributed_equals_one_process(name):
+    """owners="layer" in the engine: each param group (a block) whole on one rank, one group
+    per rank for 4 equal blocks on 4 ranks, results bitwise the single-process ones."""
+    results = run_on_ranks(_layerwise_vs_one_process, 4, args=(name,), timeout=240)
+    for diffs, per_block, plan in results:
+        assert max(diffs) == 0.0, diffs
+        assert all(len(owners) == 1 for owners in per_block), per_block
+        assert sorted(o[0] for o in per_block) == [0, 1, 2, 3]
+        assert plan == results[0][2] and len(plan[1]) == 1

@@ -23,9 +23,10 @@ factors and their roots or eigenbases), while FSDP, TP and EP leave every rank a
 5. apply: `_apply` writes this rank's piece of the update into its shard.
 Plain tensors and replicated DTensors are whole on every rank: every rank computes them, with
 the same kernels. `owners="replicated"` gathers every matrix to every rank and computes it
-everywhere (what DDP-style implementations do; Canzona's SC baseline). The owner runs exactly
-the kernels a single process runs on the same whole matrix, so distributed results are bitwise
-the single-process ones.
+everywhere (what DDP-style implementations do; Canzona's SC baseline); `owners="layer"` puts
+each param group whole on one rank (the layer-wise baseline: a group per layer). The owner runs
+exactly the kernels a single process runs on the same whole matrix, so distributed results are
+bitwise the single-process ones.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from veragged.placement.collectives import all_gather
 
 __all__ = ["Matrix", "MatrixOptimizer", "STRATEGIES"]
 
-STRATEGIES = ("lpt", "alpha", "naive", "replicated")
+STRATEGIES = ("lpt", "alpha", "naive", "layer", "replicated")
 
 
 @dataclass(eq=False)

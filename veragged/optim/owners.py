@@ -21,8 +21,9 @@ __all__ = ["OwnerPlan", "plan_owners", "block_costs", "STRATEGIES", "COSTS"]
 
 #: Owner strategies (csrc/optim/owners.h): Keller Jordan's round robin, global LPT with
 #: capacity-bounded micro-groups (Canzona Algorithm 3), alpha-balanced contiguous runs per
-#: bucket (Canzona Algorithm 1).
-STRATEGIES = ("naive", "lpt", "alpha")
+#: bucket (Canzona Algorithm 1), and the layer-wise baseline (each bucket whole on one rank,
+#: buckets by LPT over their total costs).
+STRATEGIES = ("naive", "lpt", "alpha", "layer")
 #: Cost models per row block ``r x c`` (``[Note: matrix owner plan]``): ``"flops"``, Muon's
 #: Newton-Schulz FLOPs ``ns_steps * (4 s^2 l + 2 s^3)`` with ``s = min(r, c)``,
 #: ``l = max(r, c)``; ``"numel"``, ``r * c``; ``"shampoo"`` and ``"soap"``, the FLOPs of a step
@@ -43,7 +44,7 @@ class OwnerPlan:
             ``lpt`` groups hold matrices in cost-descending order (ties: lower index) and bound
             what any rank computes per round by ``capacity``; ``naive`` groups are ``world``
             consecutive matrices; ``alpha`` has one group per bucket (ascending bucket id),
-            matrices in input order.
+            matrices in input order; ``layer`` has one group of every matrix in input order.
         loads: per rank, the summed cost of the matrices it owns.
         capacity: ``lpt``: the most cost a rank gains within one group (only a lone matrix
             above it is allowed to exceed it); ``0`` for the other strategies.
@@ -139,8 +140,10 @@ def plan_owners(
         shapes: ``(rows, cols)`` of each 2-D matrix, in a fixed order every rank agrees on.
         world_size: number of ranks sharing the work.
         strategy: ``"lpt"`` (default: global LPT, loads carried across micro-groups),
-            ``"naive"`` (matrix ``i`` on rank ``i % world_size``) or ``"alpha"`` (Canzona's
-            alpha-balanced contiguous runs within each bucket).
+            ``"naive"`` (matrix ``i`` on rank ``i % world_size``), ``"alpha"`` (Canzona's
+            alpha-balanced contiguous runs within each bucket) or ``"layer"`` (the layer-wise
+            baseline: each bucket whole on one rank, buckets largest total cost first onto the
+            least loaded rank; without ``buckets`` each matrix is its own bucket).
         cost: the cost model balanced, per row block ``r x c`` (:func:`block_costs` gives the
             per-matrix values): ``"flops"`` (Muon's Newton-Schulz FLOPs, the default),
             ``"numel"`` (``r * c``), ``"shampoo"`` (blocked Shampoo on tiles of at most
@@ -157,7 +160,7 @@ def plan_owners(
             rows), e.g. ``(q, k, v)`` rows of a fused QKV: each block is orthogonalised or
             preconditioned on its own, so costs are per block, but the matrix keeps one owner.
         buckets: optional bucket id (``>= 0``) per matrix, e.g. its parameter group or layer;
-            used by ``"alpha"`` only.
+            used by ``"alpha"`` and ``"layer"`` only.
         precondition_frequency: ``"shampoo"`` and ``"soap"`` only, ``>= 1``: steps between
             preconditioner refreshes.
         max_preconditioner_dim: ``"shampoo"`` and ``"soap"`` only, ``>= 1``: the largest
