@@ -23,8 +23,8 @@ def _inverse_root(a, root, eps):
 
 def _reference_shampoo(params, grads_seq, lr, b1, b2, eps, wd, dim, freq, start, gb2, geps):
     """Shampoo with Adam grafting per block (tiles of at most `dim`), Distributed Shampoo's
-    order: factors, grafting state and first moment take G; roots on every step `freq` divides
-    (bias-corrected factors), used from step `start` on; direction = L^-1/4 M_hat R^-1/4 scaled to the norm of
+    order: factors, grafting state and first moment take G; roots (bias-corrected factors) at
+    step `start` and on the later steps `freq` divides, used from `start` on; direction = L^-1/4 M_hat R^-1/4 scaled to the norm of
     Adam's M_hat / (sqrt(V_hat) + geps); decoupled decay; p -= lr * direction."""
     states = [dict() for _ in params]
     for step, grads in enumerate(grads_seq, start=1):
@@ -49,7 +49,7 @@ def _reference_shampoo(params, grads_seq, lr, b1, b2, eps, wd, dim, freq, start,
                             "R": torch.zeros(len(cols), len(cols))})
                         bl["L"] = b2 * bl["L"] + (1 - b2) * gb @ gb.T
                         bl["R"] = b2 * bl["R"] + (1 - b2) * gb.T @ gb
-                        if step % freq == 0:
+                        if (step % freq == 0 and step > start) or step == start:
                             c = 1 - b2**step
                             bl["rl"] = _inverse_root(bl["L"] / c, 4, eps)
                             bl["rr"] = _inverse_root(bl["R"] / c, 4, eps)
@@ -57,10 +57,9 @@ def _reference_shampoo(params, grads_seq, lr, b1, b2, eps, wd, dim, freq, start,
                             direction[idx] = grb
                         else:
                             sd = bl["rl"] @ mb @ bl["rr"]
-                            direction[idx] = sd * grb.norm() / sd.norm()
+                            direction[idx] = sd * grb.norm() / (sd.norm() + 1e-16)
             with torch.no_grad():
-                p.mul_(1 - lr * wd)
-                p.sub_(lr * direction)
+                p.sub_(lr * (direction + wd * p))
 
 
 def _reference_soap(params, grads_seq, lr, b1, b2, eps, wd, freq, dim):
@@ -127,9 +126,9 @@ def _run_pair(make, reference, steps=12):
 
 
 def test_shampoo_matches_the_equations_in_one_process():
-    """Tiles of 16 (remainders on both dims), roots every 2 steps, preconditioning from step 3
-    (so with the roots of step 2), momentum off. Every tile's factors have full rank by step 2
-    (a singular factor's root would be decided by round-off eigenvalues against epsilon).
+    """Tiles of 16 (remainders on both dims), preconditioning from step 3 (roots at 3, 4, 6,
+    ...), momentum off. Every tile's factors have full rank by step 3 (a singular factor's
+    root would be decided by round-off eigenvalues against epsilon).
     Within fp32 round-off: the roots are float64 eigendecompositions on both sides; the rest
     is fp32 in a different association."""
     kw = dict(lr=0.01, betas=(0.9, 0.99), epsilon=1e-10, weight_decay=0.01,

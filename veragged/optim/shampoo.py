@@ -25,19 +25,25 @@ class Shampoo(MatrixOptimizer):
 
     Per block G (a x b), with step t = 1, 2, ... counted per parameter:
       - factors: L = beta2 L + (1 - beta2) G G^T, R = beta2 R + (1 - beta2) G^T G (beta2 = 1:
-        plain sums); on every step t that `precondition_frequency` divides, the roots L^-1/4,
-        R^-1/4 are recomputed from the bias-corrected factors F / (1 - beta2^t) (when
-        beta2 < 1) by an eigendecomposition in float64 with eigenvalues shifted to be >= 0 and
-        `epsilon` added (`start_preconditioning_step` must be >= `precondition_frequency`, so
-        the first preconditioned step has roots);
+        plain sums); on step t = `start_preconditioning_step` and on the later steps that
+        `precondition_frequency` divides, after the factors took G, the roots L^-1/4, R^-1/4
+        are recomputed from the bias-corrected factors F / (1 - beta2^t) (when beta2 < 1) by
+        an eigendecomposition (in float64, where Distributed Shampoo uses float32 and retries
+        in float64) with `epsilon` added and, if the smallest eigenvalue is below it, all
+        shifted up to it;
       - grafting (Adam): V = graft_beta2 V + (1 - graft_beta2) G^2, graft = M_hat /
         (sqrt(V / (1 - graft_beta2^t)) + graft_epsilon);
       - M = beta1 M + (1 - beta1) G, M_hat = M / (1 - beta1^t) (beta1 = 0: M_hat = G);
       - from `start_preconditioning_step` on the direction is S = L^-1/4 M_hat R^-1/4 scaled to
-        the grafting direction's norm, S * ||graft|| / ||S|| (S = 0 stays 0); before it, graft;
-      - decoupled weight decay p <- p (1 - lr * weight_decay), then p <- p - lr * direction
-        (with `momentum`: direction <- momentum buffer B = momentum B + (1 - dampening) dir,
-        Nesterov: dir + momentum B).
+        the grafting direction's norm, S * ||graft|| / (||S|| + 1e-16); before it, graft;
+      - decoupled weight decay dir <- dir + weight_decay * p, then (with `momentum`) the
+        buffer B = momentum B + (1 - dampening) dir and dir <- B (Nesterov: dir + momentum B),
+        then p <- p - lr * dir.
+    Where this differs from Distributed Shampoo's defaults (on purpose): 1-D parameters take
+    the Adam grafting step instead of a full-matrix factor, 2-D parameters are never merged
+    into one vector however small (always two factors, 4th roots), Adam grafting is on by
+    default, and the step counter is per parameter (a parameter no rank has a gradient for
+    does not advance it; Distributed Shampoo counts per group).
     Parameters that are not matrices (1-D, or a group with `precondition=False`) take the
     grafting step alone, elementwise on the local shard.
 
@@ -62,7 +68,7 @@ class Shampoo(MatrixOptimizer):
         use_nesterov: bool = False,
         use_bias_correction: bool = True,
         graft_beta2: float = 0.999,
-        graft_epsilon: float = 1e-8,
+        graft_epsilon: float = 1e-10,
         *,
         owners: str = "lpt",
         alpha: float = 1.0,
@@ -169,8 +175,9 @@ class Shampoo(MatrixOptimizer):
         graft = _graft(g, exp_avg, exp_avg_sq, t, group)  # also moves the moments
         filtered = _filtered(exp_avg, g, t, group)
         f = group["precondition_frequency"]
-        refresh = t % f == 0  # also before the start, so the first preconditioned step has roots
-        precondition = t >= group["start_preconditioning_step"]
+        start = group["start_preconditioning_step"]
+        refresh = (t % f == 0 and t > start) or t == start  # Distributed Shampoo's rule
+        precondition = t >= start
         direction = torch.empty_like(g)
         for k, (r0, a, c0, b) in enumerate(self._tiles(m)):
             block = g[r0:r0 + a, c0:c0 + b]
@@ -188,10 +195,7 @@ class Shampoo(MatrixOptimizer):
                 out.copy_(grafted)
                 continue
             s = rl @ filtered[r0:r0 + a, c0:c0 + b] @ rr
-            norm = s.norm()
-            if norm > 0:
-                s.mul_(grafted.norm() / norm)
-            out.copy_(s)
+            out.copy_(s.mul_(grafted.norm() / (s.norm() + 1e-16)))
         return direction.reshape(-1)
 
     def _apply(self, m: Matrix, piece: torch.Tensor) -> None:
@@ -237,12 +241,12 @@ def _graft(g, exp_avg, exp_avg_sq, t: int, group: dict) -> torch.Tensor:
 
 
 def _descend(p: torch.Tensor, direction: torch.Tensor, state: dict, group: dict) -> None:
-    """Decoupled weight decay, momentum (Nesterov), then p -= lr * direction, on the local
-    shard (`direction` flat in its order)."""
+    """Decoupled weight decay (direction += weight_decay * p), momentum (Nesterov), then
+    p -= lr * direction, on the local shard (`direction` flat in its order)."""
     param = local(p).view(-1)
     lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
     if wd > 0:
-        param.mul_(1 - lr * wd)
+        direction = direction.add(param, alpha=wd)
     if mu > 0:
         buf = local(state["momentum_buffer"]).view(-1)
         buf.mul_(mu).add_(direction, alpha=1 - group["dampening"])
