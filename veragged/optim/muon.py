@@ -67,8 +67,8 @@ class Muon(MatrixOptimizer):
     matrix has an owner (host) rank from a deterministic plan (`owners`: "lpt" greedy LPT over
     Newton-Schulz FLOPs with loads carried across micro-groups, "alpha" Canzona's
     alpha-balanced contiguous partition per param group, "naive" round robin, "layer" whole
-    param groups per rank (the layer-wise baseline), or "replicated": every rank gathers and orthogonalises every matrix); matrices travel to their owners in
-    micro-groups, one all-to-all each over the domain group, the update comes back the same
+    param groups per rank (the layer-wise baseline), or "replicated": every rank gathers and
+    orthogonalises every matrix); matrices travel to their owners in micro-groups, one all-to-all each over the domain group, the update comes back the same
     way, and the next micro-group's transfer overlaps the current one's Newton-Schulz
     ([Note: Muon matrix exchange]). The owner runs the same kernels as one process would, so
     the result is bitwise the single-process one.
