@@ -69,8 +69,9 @@ class Muon(MatrixOptimizer):
     alpha-balanced contiguous partition per param group, "naive" round robin, "layer" whole
     param groups per rank (the layer-wise baseline), or "replicated": every rank gathers and
     orthogonalises every matrix); matrices travel to their owners in micro-groups, one
-    all-to-all each over the domain group, the update comes back the same way, and the next micro-group's transfer overlaps the current one's Newton-Schulz
-    ([Note: Muon matrix exchange]). The owner runs the same kernels as one process would, so
+    all-to-all each over the domain group, the update comes back the same way, and the next
+    micro-group's transfer overlaps the current one's Newton-Schulz ([Note: Muon matrix
+    exchange]). The owner runs the same kernels as one process would, so
     the result is bitwise the single-process one.
     `owner_plans` holds the plan per domain group (`ratio` is its max/mean load). `split_sizes`
     blocks are rows of the global matrix, whatever TP cut: the owner orthogonalises them apart on
