@@ -5,13 +5,12 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-import veragged
 from veragged.optim import Muon
 from veragged.testing import get_mesh, run_on_ranks
 from veragged.testing.grads import set_grads
-from veragged.testing.llama import Llama, LlamaConfig
 
-CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, hidden=86, max_seq=9)
+from matrix_cases import CFG, present
+from matrix_cases import model as build_model
 
 
 def test_matches_torch_muon_and_adamw_in_one_process():
@@ -70,30 +69,6 @@ def test_bad_arguments_name_the_argument():
         Muon([{"params": [torch.nn.Parameter(torch.randn(4))], "use_muon": True}])
 
 
-def _granularity(fqn, p):
-    if fqn.endswith("qkv.weight"):
-        return 4 * p.shape[1]  # 4-row blocks
-    if fqn.endswith("norm.weight") or fqn.endswith("w2.weight"):
-        return p.numel()  # whole tensor on one rank: the others hold empty shards
-    return None
-
-
-def _model(kind, mesh):
-    torch.manual_seed(0)
-    model = Llama(CFG)
-    if kind == "veragged":
-        for block in model.blocks:
-            veragged.fully_shard(block, mesh=mesh, granularity_fn=_granularity)
-        veragged.fully_shard(model, mesh=mesh, granularity_fn=_granularity)
-    elif kind == "torch":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    return model
-
-
 def _groups(model):
     """Embedding and head with AdamW, fused QKV split into q, k, v, the other matrices Muon."""
     named = dict(model.named_parameters())
@@ -108,32 +83,16 @@ def _groups(model):
     ]
 
 
-def _present(pattern):
-    """Grad presence per (step, param, rank): all, some (rank-asymmetric), none."""
-
-    def at(step):
-        def present(i, r):
-            if pattern == "all":
-                return True
-            if pattern == "cycle":
-                return (step + i + r) % 3 != 0 and not (step % 5 == 4 and i % 2)
-            raise ValueError(pattern)
-
-        return present
-
-    return at
-
-
 def _distributed(kind, steps, owners, pattern):
     """Muon on sharded parameters and, in the same process, on full ones with the gradients a
     single process would see; returns the largest difference per parameter and the plans."""
-    model = _model(kind, get_mesh())
+    model = build_model(kind, get_mesh())
     opt = Muon(_groups(model), lr=0.02, weight_decay=0.1, owners=owners, betas=(0.9, 0.95),
                grad_agreement="mesh")  # gradients dropped by hand on some ranks
-    ref_model = _model("single", None)
+    ref_model = build_model("single", None)
     ref = Muon(_groups(ref_model), lr=0.02, weight_decay=0.1, betas=(0.9, 0.95))
     params, ref_params = list(model.parameters()), list(ref_model.parameters())
-    at = _present(pattern)
+    at = present(pattern)
     for step in range(steps):
         for p, g in zip(ref_params, set_grads(params, step, at(step))):
             p.grad = g

@@ -158,14 +158,6 @@ def test_one_fused_all_to_all_per_micro_group_and_direction():
         assert n == 2 * 2 * len(groups), n
 
 
-def _raises(fn, exc, *texts):
-    try:
-        fn()
-    except exc as e:
-        return all(t in str(e) for t in texts) or str(e)
-    return f"no {exc.__name__}"
-
-
 def _bad_inputs():
     mesh = tp_cases.mesh_of("2d")
     from torch.distributed.tensor import distribute_tensor
@@ -174,10 +166,10 @@ def _bad_inputs():
                                                           Shard(0)])
     two_dims = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0), Shard(1)])
     res = {}
-    res["strided"] = _raises(lambda: Muon([nn.Parameter(strided)]), NotImplementedError,
-                             "_StridedShard", "[8, 4]")
-    res["two_dims"] = _raises(lambda: Muon([nn.Parameter(two_dims)]),
-                              NotImplementedError, "tensor dims 0 and 1", "[4, 4]")
+    res["strided"] = tp_cases.raises(lambda: Muon([nn.Parameter(strided)]), NotImplementedError,
+                                     "_StridedShard", "[8, 4]")
+    res["two_dims"] = tp_cases.raises(lambda: Muon([nn.Parameter(two_dims)]),
+                                      NotImplementedError, "tensor dims 0 and 1", "[4, 4]")
     return res
 
 

@@ -24,8 +24,9 @@ def _inverse_root(a, root, eps):
 def _reference_shampoo(params, grads_seq, lr, b1, b2, eps, wd, dim, freq, start, gb2, geps):
     """Shampoo with Adam grafting per block (tiles of at most `dim`), Distributed Shampoo's
     order: factors, grafting state and first moment take G; roots (bias-corrected factors) at
-    step `start` and on the later steps `freq` divides, used from `start` on; direction = L^-1/4 M_hat R^-1/4 scaled to the norm of
-    Adam's M_hat / (sqrt(V_hat) + geps); decoupled decay; p -= lr * direction."""
+    step `start` and on the later steps `freq` divides, used from `start` on; direction =
+    L^-1/4 M_hat R^-1/4 scaled to the norm of Adam's M_hat / (sqrt(V_hat) + geps); decoupled
+    decay added to the direction; p -= lr * direction."""
     states = [dict() for _ in params]
     for step, grads in enumerate(grads_seq, start=1):
         for p, g, s in zip(params, grads, states):

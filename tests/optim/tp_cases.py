@@ -102,3 +102,13 @@ def pattern(name: str) -> Callable[[int, int, tuple], bool]:
 
 def full_tensors(params):
     return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in params]
+
+
+def raises(fn, exc, *texts):
+    """True if `fn()` raises `exc` with every one of `texts` in its message; else the message,
+    or "no <exc>" (a truthy value the assertion prints)."""
+    try:
+        fn()
+    except exc as e:
+        return all(t in str(e) for t in texts) or str(e)
+    return f"no {exc.__name__}"

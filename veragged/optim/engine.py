@@ -189,7 +189,7 @@ class MatrixOptimizer(Optimizer):
 
     def matrices(self) -> list[Matrix]:
         """Every matrix the engine steps, domain by domain."""
-        return [m for d in self._domains or () for m in d.matrices]
+        return [m for d in self._domains for m in d.matrices]
 
     def _build_domains(self) -> list[_Domain]:
         by_group: dict[Any, list[Matrix]] = {}
@@ -251,8 +251,6 @@ class MatrixOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._domains is None:
-            self._domains = self._build_domains()
         params = [p for g in self.param_groups for p in g["params"]]
         presence = GradPresence(params, self.grad_agreement)
         grads = dict(zip(map(id, params), local_grads(params, presence.verdicts())))
@@ -318,12 +316,13 @@ class MatrixOptimizer(Optimizer):
             if k + 1 < len(groups):
                 gathering = ex.gather(groups[k + 1], local_pieces)
             sending = [i for i in items if self._has_update(matrices[i])]
+            sends = set(sending)
             updates = {}
             for i, f in fulls.items():
                 u = self._compute(matrices[i], f)
-                if u is not None and i in sending:
+                if i in sends:
                     updates[i] = u
-            silent = [matrices[i] for i in items if i not in sending]
+            silent = [matrices[i] for i in items if i not in sends]
             launched = ex.scatter(sending, updates, like) if sending else None
             if scattering is not None:
                 self._apply_scattered(matrices, scattering)

@@ -133,7 +133,7 @@ class Muon(MatrixOptimizer):
         if split is not None and sum(split) != p.shape[0]:
             raise ValueError(
                 f"split_sizes={list(split)} must sum to the rows of every matrix of the "
-                f"group; {index.split(' of ')[0]} has shape {list(p.shape)}"
+                f"group; {index} has shape {list(p.shape)}"
             )
 
     def _init_state(self, p: torch.Tensor, group: dict, matrix: bool) -> None:

@@ -22,6 +22,7 @@ keep plain tensors; `owners="replicated"` keeps Replicate DTensors (every rank c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,15 +47,12 @@ class OwnerResidence:
     device: torch.device
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        numel = 1
-        for s in shape:
-            numel *= s
         if self.mesh is None:
             return torch.zeros(shape, dtype=dtype, device=self.device)
         if all(isinstance(p, Replicate) for p in self.placements):
             return DTensor.from_local(torch.zeros(shape, dtype=dtype, device=self.device),
                                       self.mesh, self.placements, run_check=False)
-        mine = torch.zeros(numel if self.here else 0, dtype=dtype, device=self.device)
+        mine = torch.zeros(math.prod(shape) if self.here else 0, dtype=dtype, device=self.device)
         return from_local(mine, self.mesh, self.placements, shape=shape)
 
     def adopt(self, value: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,

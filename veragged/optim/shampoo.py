@@ -1,4 +1,5 @@
-"""`veragged.optim.Shampoo`: Kronecker-factored preconditioning with Adam grafting, sharded or not."""
+"""`veragged.optim.Shampoo`: Kronecker-factored preconditioning with Adam grafting, sharded or
+not."""
 
 from __future__ import annotations
 
@@ -172,8 +173,7 @@ class Shampoo(MatrixOptimizer):
         b1, b2 = group["betas"]
         owned = lambda name: self.owned_state(m, name)  # noqa: E731
         exp_avg, exp_avg_sq = owned("exp_avg"), owned("exp_avg_sq")
-        graft = _graft(g, exp_avg, exp_avg_sq, t, group)  # also moves the moments
-        filtered = _filtered(exp_avg, g, t, group)
+        graft, filtered = _graft(g, exp_avg, exp_avg_sq, t, group)  # also moves the moments
         f = group["precondition_frequency"]
         start = group["start_preconditioning_step"]
         refresh = (t % f == 0 and t > start) or t == start  # Distributed Shampoo's rule
@@ -205,7 +205,7 @@ class Shampoo(MatrixOptimizer):
         state = self.state[p]
         t = int(state["step"]) + 1
         exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
-        direction = _graft(g, exp_avg, exp_avg_sq, t, group)
+        direction, _ = _graft(g, exp_avg, exp_avg_sq, t, group)
         state["step"] += 1
         _descend(p, direction.reshape(-1), state, group)
 
@@ -227,8 +227,9 @@ def _filtered(exp_avg: torch.Tensor, g: torch.Tensor, t: int, group: dict) -> to
     return exp_avg
 
 
-def _graft(g, exp_avg, exp_avg_sq, t: int, group: dict) -> torch.Tensor:
-    """Moves M and V by G and returns Adam's grafting direction M_hat / (sqrt(V_hat) + eps)."""
+def _graft(g, exp_avg, exp_avg_sq, t: int, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Moves M and V by G; returns Adam's grafting direction M_hat / (sqrt(V_hat) + eps) and
+    M_hat."""
     b1, gb2 = group["betas"][0], group["graft_beta2"]
     if b1 > 0:
         exp_avg.mul_(b1).add_(g, alpha=1 - b1)
@@ -237,7 +238,8 @@ def _graft(g, exp_avg, exp_avg_sq, t: int, group: dict) -> torch.Tensor:
     else:
         exp_avg_sq.mul_(gb2).addcmul_(g, g, value=1 - gb2)
     v = exp_avg_sq / (1.0 - gb2**t) if (gb2 < 1 and group["use_bias_correction"]) else exp_avg_sq
-    return _filtered(exp_avg, g, t, group) / v.sqrt().add_(group["graft_epsilon"])
+    filtered = _filtered(exp_avg, g, t, group)
+    return filtered / v.sqrt().add_(group["graft_epsilon"]), filtered
 
 
 def _descend(p: torch.Tensor, direction: torch.Tensor, state: dict, group: dict) -> None:

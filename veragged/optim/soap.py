@@ -118,7 +118,8 @@ class SOAP(MatrixOptimizer):
     def _owner_state(self, m: Matrix) -> dict:
         rows, cols = m.param.shape
         left, right = self._sides(m.group, m.param)
-        out = {"exp_avg": ((rows, cols), torch.float32), "exp_avg_sq": ((rows, cols), torch.float32)}
+        moment = ((rows, cols), torch.float32)
+        out = {"exp_avg": moment, "exp_avg_sq": moment}
         if left:
             out["factor_left"] = ((rows, rows), torch.float32)
             out["basis_left"] = ((rows, rows), torch.float32)
@@ -183,9 +184,8 @@ class SOAP(MatrixOptimizer):
         return group["lr"] * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
 
     def _apply(self, m: Matrix, piece: torch.Tensor) -> None:
-        group = m.group
-        _descend(local(m.param).view(-1), piece, self._step_size(group, int(self.state[m.param]["step"])),
-                 group)
+        step_size = self._step_size(m.group, int(self.state[m.param]["step"]))
+        _descend(local(m.param).view(-1), piece, step_size, m.group)
 
     def _step_elementwise(self, p: torch.Tensor, g: torch.Tensor, group: dict) -> None:
         state = self.state[p]
