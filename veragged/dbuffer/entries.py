@@ -24,11 +24,13 @@ def ragged_placement(shape: Sequence[int], counts: Sequence[int]) -> RaggedShard
     elements, always does), so row- and block-granular parameters keep row units.
     """
     shape = tuple(shape)
+    if not any(counts):  # numel 0: rank 0 holds the (empty) whole
+        return RaggedShard((0,), (1,) + (0,) * (len(counts) - 1))
     for k in range(len(shape) + 1):
         row = math.prod(shape[k:])
         if row and all(c % row == 0 for c in counts):
             return RaggedShard(tuple(range(k)), tuple(c // row for c in counts))
-    return RaggedShard(tuple(range(len(shape))), tuple(counts))  # numel 0: any layout
+    raise AssertionError("unreachable: single elements (k = ndim) divide every count")
 
 
 @dataclass(frozen=True)

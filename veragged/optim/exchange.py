@@ -11,7 +11,8 @@ row runs under TP Shard(1), everything on one rank for a plain tensor. Under tha
   owner, source by source, the pieces of the matrices it owns, which it assembles: interval
   pieces of all its matrices by one `cat` in offset order (when an owner receives a single
   matrix whose intervals are in rank order the receive buffer already is the matrix: no copy),
-  strided pieces written into their runs;
+  strided pieces written into their runs; every assembled matrix starts on an ALIGN_BYTES
+  boundary, as a tensor of its own would ([Note: aligned owner inputs]);
 - scatter: the owner cuts each destination's piece of every update it computed; one more
   `all_to_all_single` returns to each rank exactly its local pieces, which are applied in place.
 Both are launched asynchronously, so the next micro-group's gather and the previous one's scatter
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from veragged.dbuffer.memory import ALIGN_BYTES
 from veragged.optim.pieces import MatrixLayout, matrix_layout, pick
 
 __all__ = ["MatrixLayout", "matrix_layout", "Exchange"]
@@ -163,8 +165,8 @@ class Exchange:
             split = recv.split(mv.gather_pieces)
             out: dict[int, torch.Tensor] = {}
             if mv.flat:
-                full = torch.cat(pick(split, mv.flat_order))
-                out.update(zip(mv.flat, full.split(mv.flat_numels)))
+                out.update(zip(mv.flat, _aligned_cat(pick(split, mv.flat_order),
+                                                     mv.flat_numels, recv)))
             for i, order in mv.strided:
                 out[i] = self.layouts[i].assemble(pick(split, order))
             return out
@@ -187,3 +189,36 @@ class Exchange:
             return dict(zip(mv.by_owner, recv.split(mv.piece_splits)))
 
         return self._launch(send, send_splits, recv_splits, split)
+
+
+# [Note: aligned owner inputs]
+# BLAS and LAPACK results can depend on where a matrix starts in memory: MKL picks its kernels
+# (and so its summation order) by alignment, unless conditional numerical reproducibility is
+# forced, and cuBLAS picks by alignment too. A single process hands `_compute` a gradient or
+# momentum buffer of its own allocation, so the owner must hand it matrices that start on an
+# allocation-like boundary as well, or distributed results stop being bitwise the
+# single-process ones (seen: a 7 x 5 Shampoo factor one ulp apart after a root refresh when the
+# matrix sat 28 bytes into the receive buffer). The owners' matrices are therefore assembled
+# into one buffer with each start rounded up to ALIGN_BYTES (64-byte CPU allocations and
+# 512-byte CUDA ones are multiples or divisors of it: a multiple of 256 bytes into a buffer
+# the allocator aligned to at least 64 is as aligned as a fresh tensor is).
+
+
+def _aligned_cat(parts: list[torch.Tensor], numels: Sequence[int],
+                 like: torch.Tensor) -> list[torch.Tensor]:
+    """`torch.cat(parts).split(numels)`, except that every matrix starts on an ALIGN_BYTES
+    boundary of the buffer ([Note: aligned owner inputs]); `parts` holds the same number of
+    pieces for every matrix, matrix by matrix."""
+    align = max(1, ALIGN_BYTES // like.element_size())
+    per = len(parts) // len(numels)
+    starts, seq, end = [], [], 0
+    filler = like.new_empty(align)
+    for j, n in enumerate(numels):
+        pad = -end % align
+        if pad:
+            seq.append(filler[:pad])
+        starts.append(end + pad)
+        end += pad + n
+        seq.extend(parts[j * per:(j + 1) * per])
+    full = torch.cat(seq)
+    return [full.narrow(0, s, n) for s, n in zip(starts, numels)]
