@@ -4,6 +4,7 @@ import pickle
 import time
 
 import pytest
+import torch
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from veragged import RaggedShard, StridedRaggedShard
@@ -94,5 +95,25 @@ def test_bad_input_raises_value_error_naming_values(make, message):
 
 
 def test_non_int_units_raise_type_error():
-    with pytest.raises(TypeError, match=r"local_units\[0\] must be an int, got 1.5"):
+    with pytest.raises(TypeError, match=r"local_units\[0\] must be an integer, got 1.5"):
         RaggedShard((0,), (1.5, 1))
+    with pytest.raises(TypeError, match=r"local_units\[1\] must be an integer, got True"):
+        RaggedShard((0,), (1, True))
+    with pytest.raises(TypeError, match=r"local_units\[0\] must be an integer, got tensor\(1.5"):
+        RaggedShard((0,), (torch.tensor(1.5), 1))
+    with pytest.raises(TypeError, match=r"split_factor must be an integer, got 2.0"):
+        StridedRaggedShard((0,), (1, 1), 2.0)
+
+
+def test_any_integral_units_are_stored_as_python_ints():
+    """veScale's tests pass `np.random.multinomial` output; 0-dim integer tensors work too."""
+    import numpy as np
+
+    drawn = np.random.default_rng(0).multinomial(12, [0.25] * 4)
+    for units in (drawn, tuple(drawn), torch.tensor(drawn.tolist()),
+                  [torch.tensor(int(u), dtype=torch.int32) for u in drawn]):
+        p = RaggedShard(np.arange(1), units)
+        assert p == RaggedShard((0,), tuple(int(u) for u in drawn))
+        assert all(type(u) is int for u in p.local_units) and type(p.dims[0]) is int
+    s = StridedRaggedShard((0,), drawn, np.int64(2))
+    assert type(s.split_factor) is int and s.split_factor == 2

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import weakref
 from typing import Sequence
 
+import torch
 from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["RaggedShard", "StridedRaggedShard"]
@@ -51,14 +53,14 @@ class _Units:
     @classmethod
     def intern(cls, local_units: Sequence[int]) -> "_Units":
         values = tuple(local_units)
+        if not all(type(u) is int for u in values):
+            values = tuple(_as_int(u, f"local_units[{i}]") for i, u in enumerate(values))
         units = cls._table.get(values)
         if units is not None:
             return units
         if not values:
             raise ValueError("RaggedShard: local_units must have one entry per rank, got ()")
         for i, u in enumerate(values):
-            if isinstance(u, bool) or not isinstance(u, int):
-                raise TypeError(f"RaggedShard: local_units[{i}] must be an int, got {u!r}")
             if u < 0:
                 raise ValueError(f"RaggedShard: local_units[{i}] must be >= 0, got {u}")
         units = cls(values)
@@ -75,6 +77,17 @@ class _Units:
         return self._prefix
 
 
+def _as_int(value, name: str) -> int:
+    """`value` as a Python int: any integral type (numpy integers, `numbers.Integral`) or a
+    0-dim integer tensor; bools and everything else raise TypeError naming `name`."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if (isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point()
+            and not value.is_complex() and value.dtype is not torch.bool):
+        return int(value.item())
+    raise TypeError(f"RaggedShard: {name} must be an integer, got {value!r}")
+
+
 def _short(values: tuple[int, ...]) -> str:
     if len(values) <= _REPR_MAX_UNITS:
         return str(values)
@@ -83,10 +96,7 @@ def _short(values: tuple[int, ...]) -> str:
 
 
 def _check_dims(dims: Sequence[int]) -> tuple[int, ...]:
-    dims = tuple(dims)
-    for d in dims:
-        if isinstance(d, bool) or not isinstance(d, int):
-            raise TypeError(f"RaggedShard: dims must be ints, got {dims!r}")
+    dims = tuple(_as_int(d, f"dims[{i}]") for i, d in enumerate(dims))
     if dims != tuple(range(len(dims))):
         raise ValueError(
             f"RaggedShard: dims must be a prefix (0, ..., k-1) of the tensor dims, got {dims}"
@@ -193,7 +203,9 @@ class StridedRaggedShard(RaggedShard):
     """
 
     def __init__(self, dims: Sequence[int], local_units: Sequence[int], split_factor: int):
-        if isinstance(split_factor, bool) or not isinstance(split_factor, int) or split_factor < 1:
+        if type(split_factor) is not int:
+            split_factor = _as_int(split_factor, "split_factor")
+        if split_factor < 1:
             raise ValueError(
                 f"StridedRaggedShard: split_factor must be an int >= 1, got {split_factor!r}"
             )
