@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 import veragged
-from veragged import RaggedShard
+from veragged import RaggedShard, RoutedDTensor
 from veragged.testing import get_mesh, run_on_ranks
 
 WORLD = 4
@@ -95,7 +95,7 @@ def _round_trips():
             # RaggedShard <-> Shard(0), both ways, against torch's own Shard(0)
             torch_s0 = torch.distributed.tensor.distribute_tensor(full, mesh, [Shard(0)])
             s0 = dt.redistribute(mesh, [Shard(0)])
-            assert type(s0) is DTensor and torch.equal(s0.to_local(), torch_s0.to_local())
+            assert type(s0) is RoutedDTensor and torch.equal(s0.to_local(), torch_s0.to_local())
             assert torch.equal(veragged.redistribute(torch_s0, mesh, [p]).to_local(), dt.to_local())
             # Partial(sum) and Partial(avg) -> RaggedShard: one reduce-scatter
             contrib = full * (rank + 1)

@@ -5,7 +5,7 @@ See [Note: RaggedShard semantics] (ragged_shard.py), [Note: ragged layout on an 
 """
 
 from veragged.placement.api import distribute_tensor, from_local, local_numel_and_offset
-from veragged.placement.dtensor import RaggedDTensor
+from veragged.placement.dtensor import RaggedDTensor, RoutedDTensor
 from veragged.placement.layout import normalize_placements
 from veragged.placement.ragged_shard import RaggedShard, StridedRaggedShard
 from veragged.placement.redistribute import RedistributeHandle, redistribute
@@ -13,6 +13,7 @@ from veragged.placement.redistribute import RedistributeHandle, redistribute
 __all__ = [
     "RaggedDTensor",
     "RaggedShard",
+    "RoutedDTensor",
     "RedistributeHandle",
     "StridedRaggedShard",
     "distribute_tensor",

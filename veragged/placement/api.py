@@ -17,6 +17,7 @@ from veragged.placement.dtensor import (
     _FromLocal,
     accumulate_grads_locally,
     make_spec,
+    routed,
 )
 from veragged.placement.layout import (
     check_placements,
@@ -49,11 +50,16 @@ def distribute_tensor(
     of rank `src_data_rank` reaches the others in one all-to-all that sends each rank only its rows;
     with `src_data_rank=None` every rank slices its rows from its own `tensor`, with no
     communication. On N-D meshes torch distributes the other mesh dims first. The result is a leaf
-    whose `requires_grad` follows `tensor`.
+    whose `requires_grad` follows `tensor`. Without a RaggedShard this is torch's
+    `distribute_tensor`, returned as a RoutedDTensor ([Note: DTensors veragged hands out]).
     """
     mesh = _mesh(device_mesh)
     if placements is None or ragged_mesh_dim(placements) is None:
-        return _torch_distribute_tensor(tensor, mesh, placements, src_data_rank=src_data_rank)
+        if isinstance(tensor, DTensor):  # torch returns it as is, or raises
+            return _torch_distribute_tensor(tensor, mesh, placements,
+                                            src_data_rank=src_data_rank)
+        return routed(_torch_distribute_tensor(tensor, mesh, placements,
+                                               src_data_rank=src_data_rank))
     if isinstance(tensor, DTensor):  # as torch: already distributed this way, or an error
         if tensor.device_mesh == mesh and tuple(tensor.placements) == tuple(placements):
             return tensor
@@ -112,10 +118,10 @@ def from_local(
     if placements is None or ragged_mesh_dim(placements) is None:
         # torch 2.11's DTensor.from_local has no grad_placements: pass it only when given.
         extra = {} if grad_placements is None else {"grad_placements": grad_placements}
-        return DTensor.from_local(
+        return routed(DTensor.from_local(
             local_tensor, mesh, placements, run_check=run_check, shape=shape, stride=stride,
             **extra,
-        )
+        ))
     if isinstance(local_tensor, DTensor):
         raise ValueError(f"from_local expects a torch.Tensor, got {type(local_tensor).__name__}")
     if shape is None:

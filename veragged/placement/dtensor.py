@@ -23,7 +23,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 from veragged.placement import ops
 from veragged.placement.layout import ragged_mesh_dim
 
-__all__ = ["RaggedDTensor"]
+__all__ = ["RaggedDTensor", "RoutedDTensor", "routed"]
 
 _KINDS, _META = ops._KINDS, ops._META
 _no_subclass_function = torch._C.DisableTorchFunctionSubclass
@@ -184,22 +184,8 @@ class RaggedDTensor(DTensor):
         `async_op=True` is served by `veragged.redistribute(..., async_op=True)`, which returns a
         handle; `forward_dtype`/`backward_dtype` are not supported here.
         """
-        if async_op:
-            raise ValueError(
-                "RaggedDTensor.redistribute(async_op=True) is not supported: use "
-                "veragged.redistribute(dt, mesh, placements, async_op=True), "
-                "which returns a handle to wait on"
-            )
-        if forward_dtype is not None or backward_dtype is not None:
-            raise ValueError(
-                f"forward_dtype={forward_dtype} / backward_dtype={backward_dtype} "
-                "are not supported for RaggedShard DTensors; cast with .to(dtype) first"
-            )
-        from veragged.placement.redistribute import redistribute
-
-        if placements is None:
-            raise RuntimeError("placements is needed for redistribute!")
-        return redistribute(self, device_mesh or self.device_mesh, placements)
+        return _redistribute_ragged(self, device_mesh, placements, async_op, forward_dtype,
+                                    backward_dtype)
 
     def detach(self) -> "RaggedDTensor":
         if torch._C._is_torch_function_enabled():
@@ -268,6 +254,79 @@ class RaggedDTensor(DTensor):
         )
 
 
+def _redistribute_ragged(dt, device_mesh, placements, async_op, forward_dtype, backward_dtype):
+    """`.redistribute` of a DTensor veragged handed out, when either side is ragged."""
+    if async_op:
+        raise ValueError(
+            f"{type(dt).__name__}.redistribute(async_op=True) to or from RaggedShard is not "
+            "supported: use veragged.redistribute(dt, mesh, placements, async_op=True), "
+            "which returns a handle to wait on"
+        )
+    if forward_dtype is not None or backward_dtype is not None:
+        raise ValueError(
+            f"forward_dtype={forward_dtype} / backward_dtype={backward_dtype} "
+            "are not supported for RaggedShard DTensors; cast with .to(dtype) first"
+        )
+    from veragged.placement.redistribute import redistribute
+
+    if placements is None:
+        raise RuntimeError("placements is needed for redistribute!")
+    return redistribute(dt, device_mesh or dt.device_mesh, placements)
+
+
+class RoutedDTensor(DTensor):
+    """A DTensor without RaggedShard placements as veragged hands it out.
+
+    [Note: DTensors veragged hands out]
+    `veragged.distribute_tensor`, `veragged.DTensor.from_local` and `veragged.redistribute`
+    return a RaggedDTensor when the placements hold a RaggedShard and this class otherwise: a
+    torch DTensor in every respect (its ops go through torch's sharding propagation and return
+    torch DTensors, as torch's own would) except `redistribute`, which sends a RaggedShard
+    target to `veragged.redistribute`. So a DTensor from veragged can always be redistributed
+    to RaggedShard with its own method, while torch's method on torch's DTensors raises
+    ([Note: torch's redistribute to RaggedShard], ragged_shard.py).
+    """
+
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        async_op: bool = False,
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
+    ) -> DTensor:
+        if placements is not None and ragged_mesh_dim(placements) is not None:
+            return _redistribute_ragged(self, device_mesh, placements, async_op, forward_dtype,
+                                        backward_dtype)
+        return super().redistribute(device_mesh, placements, async_op=async_op,
+                                    forward_dtype=forward_dtype, backward_dtype=backward_dtype)
+
+
+class _Route(torch.autograd.Function):
+    """A torch DTensor as a RoutedDTensor over the same local tensor, in the autograd graph."""
+
+    @staticmethod
+    def forward(ctx, dt: DTensor):
+        return RoutedDTensor(dt._local_tensor.view_as(dt._local_tensor), dt._spec,
+                             requires_grad=dt.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def routed(dt):
+    """`dt` as veragged hands DTensors out ([Note: DTensors veragged hands out]): a plain torch
+    DTensor without RaggedShard becomes a RoutedDTensor (a leaf stays a leaf); anything else is
+    returned as is."""
+    if type(dt) is not DTensor or ragged_mesh_dim(dt._spec.placements) is not None:
+        return dt
+    if dt.grad_fn is None:
+        return RoutedDTensor(dt._local_tensor, dt._spec, requires_grad=dt.requires_grad)
+    return _Route.apply(dt)
+
+
 # torch's foreach paths (optimizers, clip_grad_norm_) take only the exact types in these lists;
 # torch registers DTensor itself (torch/distributed/tensor/__init__.py), not its subclasses.
 # RaggedDTensor runs every _foreach_* op, so it registers the same way.
@@ -275,8 +334,9 @@ from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_typ
 from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types  # noqa: E402
 
 for _types in (_optim_foreach_types, _util_foreach_types):
-    if RaggedDTensor not in _types:
-        _types.append(RaggedDTensor)
+    for _cls in (RaggedDTensor, RoutedDTensor):
+        if _cls not in _types:
+            _types.append(_cls)
 
 from veragged.placement import fastpath as _fastpath  # noqa: E402
 

@@ -25,15 +25,32 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import sys
 import weakref
 from typing import Sequence
 
 import torch
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["RaggedShard", "StridedRaggedShard"]
 
 _REPR_MAX_UNITS = 16  # longer local_units are summarised in repr
+
+# [Note: torch's redistribute to RaggedShard]
+# torch's `DTensor.redistribute` on a plain torch DTensor knows nothing of RaggedShard: its
+# per-mesh-dim loop (`redistribute_local_tensor`) asks the target placement `is_replicate()`,
+# `is_shard()`, `is_partial()`, finds none true, does nothing, and torch wraps the unchanged
+# local tensor (a full replica, say) under the RaggedShard spec: silently wrong data. torch
+# offers no hook for a placement it does not know (the method is not dispatched, and patching
+# it or DTensor would be global), so RaggedShard.is_replicate, the first question that loop
+# asks a target, checks whether its caller is that loop and raises there. Everywhere else
+# (sharding propagation, our own layout code) it answers False as before, at the cost of one
+# frame lookup. A mesh dim of size 1 never reaches the question (torch skips it), and there a
+# RaggedShard holds what Replicate holds, so the relabelling is right. DTensors veragged hands
+# out route `.redistribute` to veragged.redistribute instead ([Note: DTensors veragged hands
+# out], dtensor.py), so only DTensors made by torch itself reach this error.
+_TORCH_REDISTRIBUTE = redistribute_local_tensor.__code__
 
 
 class _Units:
@@ -163,6 +180,17 @@ class RaggedShard(Placement):
 
     def is_ragged(self) -> bool:
         return True
+
+    def is_replicate(self) -> bool:
+        # [Note: torch's redistribute to RaggedShard]
+        if sys._getframe(1).f_code is _TORCH_REDISTRIBUTE:
+            raise ValueError(
+                f"torch's DTensor.redistribute cannot produce {self!r}: it would keep every "
+                "rank's local data and only relabel it. Use veragged.redistribute(dt, mesh, "
+                "placements), or create the DTensor with veragged.distribute_tensor / "
+                "veragged.DTensor.from_local, whose .redistribute does this"
+            )
+        return False
 
     def row_range(self, rows: int, rank: int) -> tuple[int, int]:
         """Rows `[begin, end)` of the flattened prefix that rank `rank` holds, out of `rows`."""

@@ -30,7 +30,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from veragged.placement import collectives as coll
-from veragged.placement.dtensor import RaggedDTensor, as_ragged, make_spec
+from veragged.placement.dtensor import RaggedDTensor, as_ragged, make_spec, routed
 from veragged.placement.layout import normalize_placements, ragged_layout, ragged_mesh_dim
 from veragged.placement.ragged_shard import RaggedShard
 
@@ -193,7 +193,8 @@ class RedistributeHandle:
             if not self._steps:
                 self._result = self._dt
             else:
-                self._result = _Redistribute.apply(self._dt, self._dst, self._steps, self._first)
+                self._result = routed(
+                    _Redistribute.apply(self._dt, self._dst, self._steps, self._first))
             self._dt = self._first = None
         return self._result
 
@@ -209,7 +210,8 @@ def redistribute(
 
     Differentiable (the backward is the inverse redistribution). With `async_op=True` the first
     collective is launched and a `RedistributeHandle` is returned; call `.wait()` for the DTensor.
-    Without a RaggedShard on either side this is torch's `DTensor.redistribute`.
+    Without a RaggedShard on either side this is torch's `DTensor.redistribute`. A result
+    without RaggedShard is a RoutedDTensor ([Note: DTensors veragged hands out]).
     """
     if not isinstance(dt, DTensor):
         raise TypeError(f"redistribute expects a DTensor, got {type(dt).__name__}")
@@ -226,10 +228,10 @@ def redistribute(
     if ragged_mesh_dim(src) is None and ragged_mesh_dim(dst) is None:
         if async_op:
             return RedistributeHandle(dt, dst, [("torch", None, src, dst)])
-        return DTensor.redistribute(dt, mesh, dst)
+        return routed(DTensor.redistribute(dt, mesh, dst))
     steps = plan_steps(src, dst)
     if async_op:
         return RedistributeHandle(dt, dst, steps)
     if not steps:
         return dt
-    return _Redistribute.apply(dt, dst, steps, None)
+    return routed(_Redistribute.apply(dt, dst, steps, None))
