@@ -28,6 +28,7 @@ DTensor subclass; 2.11's C++ dispatch fast path skips a subclass's `__torch_disp
   `clip_grad_norm_` calls): [Note: norms on RaggedShard] (norms.py).
 - Full reductions (`sum`, `mean`, `max`, `all`, ..., `torch.equal`, `torch.allclose`) work the
   same way: [Note: reductions on RaggedShard] (reductions.py).
+- `GradScaler`'s non-finite check and unscale: [Note: GradScaler on RaggedShard] (amp.py).
 - Random ops (`normal_`, `uniform_`, ..., `rand_like`) and `torch.nn.init` give bitwise the
   one-process result: [Note: random ops on RaggedShard] (random_ops.py). `new_tensor` returns a
   plain tensor, as torch's DTensor does.
@@ -45,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from veragged.placement import fastpath
+from veragged.placement.amp import AMP_FUNCTIONS, AMP_PACKETS
 from veragged.placement.layout import ragged_mesh_dim
 from veragged.placement.norms import NORM_FUNCTIONS, NORM_PACKETS
 from veragged.placement.random_ops import RANDOM_FUNCTIONS, RANDOM_PACKETS, random_op
@@ -342,8 +344,9 @@ _SPECIAL = {
     **RANDOM_FUNCTIONS,
     **REDUCTION_FUNCTIONS,
     **NORM_FUNCTIONS,
+    **AMP_FUNCTIONS,
 }
-_PACKETS = {**REDUCTION_PACKETS, **NORM_PACKETS}
+_PACKETS = {**REDUCTION_PACKETS, **NORM_PACKETS, **AMP_PACKETS}
 
 
 def _classify(func) -> int:
