@@ -192,7 +192,7 @@ def _unsupported_ops():
             lambda: torch.linalg.vector_norm(a, dim=0), NotImplementedError, "dim=0"
         ),
         "layouts": _raises(lambda: a + b, ValueError, "identical layouts"),
-        "plain_tensor": _raises(lambda: a + full, ValueError, "0-dim tensors"),
+        "plain_tensor": _raises(lambda: a + full, ValueError, "implicit_replication"),
         "shard0": _raises(lambda: a + s0, ValueError, "0-dim tensors"),
         "random_values": _raises(lambda: torch.bernoulli(a), NotImplementedError, "bernoulli"),
         "autograd": _raises(lambda: x * 2, NotImplementedError, "autograd"),
@@ -270,11 +270,13 @@ def _mixed_lists():
     res["no_implicit_replication"] = _raises(
         lambda: torch._foreach_add_(xs, ys), RuntimeError, "implicit_replication()"
     )
+    # a full-size plain tensor at a ragged position is cut to the local rows ([Note: replicated
+    # operands of ragged ops]); xs[0] holds 2 * fulls[0] after the Shard(0) case above
     with implicit_replication():
-        res["inconsistent_position"] = _raises(
-            lambda: torch._foreach_add_([xs[0], xs[1]], [fulls[0], ys[1]]),
-            ValueError, "shape [6, 4] at list position 0",
-        )
+        torch._foreach_add_([xs[0], xs[1]], [fulls[0], ys[1]])
+    res["full_size_plain_at_ragged_position"] = (
+        torch.equal(xs[0].full_tensor(), fulls[0] * 2 + fulls[0])
+        and torch.equal(xs[1], fulls[1] + grads[1]))
     return res
 
 

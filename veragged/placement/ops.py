@@ -8,9 +8,11 @@ DTensor subclass; 2.11's C++ dispatch fast path skips a subclass's `__torch_disp
 - Metadata (`shape`, `dtype`, `grad`, `size()`, ...) is answered by torch as for any DTensor.
 - Element-wise ops (aten ops tagged `pointwise`), `_foreach_*` ops, fused optimizer kernels and
   the `*_like` factories run on the local tensors, because elementwise math on the local shards is
-  the shard of elementwise math on the whole tensor. The DTensor arguments must have identical
-  layouts (per list position for `_foreach_*`); other tensors must be 0-dim (scalars or Replicate
-  DTensors). The Python function runs on the local tensors under `_Allowlist`, a dispatch mode
+  the shard of elementwise math on the whole tensor. The RaggedShard arguments must have
+  identical layouts (per list position for `_foreach_*`); other tensors are 0-dim, or held whole
+  by every rank (Replicate DTensors, plain tensors under `implicit_replication()`) and
+  broadcastable to the ragged shape, cut to the local rows: [Note: replicated operands of
+  ragged ops]. The Python function runs on the local tensors under `_Allowlist`, a dispatch mode
   that lets only those aten ops through, so a composite function that reduces or reshapes
   inside raises instead of computing on one shard.
 - Element-wise, `_foreach_*` and fused optimizer calls whose operands are RaggedShard DTensors of
@@ -41,7 +43,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial
+from torch.distributed.tensor.placement_types import Partial, Replicate
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -167,14 +169,7 @@ def _layout_error(name, a: DTensor, b: DTensor) -> ValueError:
 
 
 def _unwrap_scalar(name, t: torch.Tensor, slot: int):
-    """A non-ragged tensor operand: allowed if 0-dim (its value is the same on every rank)."""
-    if t.dim() != 0:
-        where = f" at list position {slot}" if slot >= 0 else ""
-        raise ValueError(
-            f"{name}: a RaggedShard DTensor can only be combined with RaggedShard DTensors "
-            f"of the same layout or with 0-dim tensors, "
-            f"got a {type(t).__name__} of shape {list(t.shape)}{where}"
-        )
+    """A 0-dim non-ragged tensor operand: its value is the same on every rank."""
     if isinstance(t, DTensor):
         if any(isinstance(p, Partial) for p in t.placements):
             raise ValueError(
@@ -182,6 +177,71 @@ def _unwrap_scalar(name, t: torch.Tensor, slot: int):
             )
         return t._local_tensor
     return t
+
+
+class _Broadcast:
+    """A non-ragged operand of more than 0 dims, cut to the local rows once the layout of the
+    RaggedShard operands is known ([Note: replicated operands of ragged ops])."""
+
+    __slots__ = ("tensor", "slot")
+
+    def __init__(self, tensor: torch.Tensor, slot: int):
+        self.tensor, self.slot = tensor, slot
+
+
+def _local_rows(name: str, t: torch.Tensor, ref: DTensor) -> torch.Tensor:
+    """[Note: replicated operands of ragged ops]
+    An element-wise op may combine a RaggedShard DTensor with a tensor every rank holds whole:
+    a Replicate DTensor (on the same mesh), or a plain tensor under torch's
+    `implicit_replication()` (outside it, as with torch's DTensor, a plain tensor of more than
+    one element raises). Its shape must broadcast to the ragged operand's global shape without
+    enlarging it (a bias against a weight, a full-size tensor). Each rank then cuts out the
+    elements matching its own local shard: the block it holds under the other placements
+    (torch's block offset), then its rows [begin, end) of that block (by unravelling the row
+    indices, so only the local elements are ever copied, whatever the broadcast). No
+    communication; every element of the result is computed by the same kernel from the same
+    two values as in the full-tensor op, so it is bit-exact."""
+    from veragged.placement.layout import spec_layout
+
+    if isinstance(t, DTensor):
+        if t.device_mesh != ref.device_mesh or not all(
+                isinstance(p, Replicate) for p in t.placements):
+            raise ValueError(
+                f"{name}: a RaggedShard DTensor can be combined with RaggedShard DTensors of the "
+                "same layout, Replicate DTensors on its mesh and 0-dim tensors; got a DTensor of "
+                f"shape {list(t.shape)} with placements {t.placements}: redistribute it first"
+            )
+        t = t._local_tensor
+    elif not DTensor._op_dispatcher._allow_implicit_replication:
+        raise ValueError(
+            f"{name}: a RaggedShard DTensor is combined with a plain tensor of shape "
+            f"{list(t.shape)}; as with torch's DTensor, plain tensors of more than one element "
+            "are taken as replicated only under "
+            "torch.distributed.tensor.experimental.implicit_replication()"
+        )
+    shape = tuple(ref.shape)
+    try:
+        fits = tuple(torch.broadcast_shapes(t.shape, shape)) == shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"{name}: an operand of shape {list(t.shape)} does not broadcast to the RaggedShard "
+            f"DTensor's shape {list(shape)} (the result must keep that shape)"
+        )
+    lay = spec_layout(ref._spec)
+    block = t.expand(shape)[tuple(slice(o, o + n)
+                                  for o, n in zip(lay.block_offset, lay.block_shape))]
+    k = len(lay.placement.dims)
+    if k <= 1:
+        rows = block[lay.begin:lay.end] if k else block[None][lay.begin:lay.end]
+    else:
+        index, coords = torch.arange(lay.begin, lay.end, device=t.device), []
+        for size in reversed(lay.block_shape[:k]):
+            coords.append(index % size)
+            index = index // size
+        rows = block[tuple(reversed(coords))]
+    return rows.reshape(-1)
 
 
 def _as_ragged(x):
@@ -197,6 +257,7 @@ def _unwrap(name: str, args, kwargs):
     """
     refs: dict[int, DTensor] = {}  # list position (or -1 for non-list operands) -> layout reference
     locals_to_dt: dict[int, DTensor] = {}
+    deferred: list[int] = []  # slots holding a _Broadcast
 
     def check(dt: DTensor, slot: int) -> None:
         ref = refs.setdefault(slot, dt)
@@ -210,7 +271,10 @@ def _unwrap(name: str, args, kwargs):
             locals_to_dt[id(x._local_tensor)] = x
             return x._local_tensor
         if isinstance(x, torch.Tensor):
-            return _unwrap_scalar(name, x, slot)
+            if x.dim() == 0:
+                return _unwrap_scalar(name, x, slot)
+            deferred.append(slot)
+            return _Broadcast(x, slot)
         return x
 
     def arg(x):
@@ -230,6 +294,19 @@ def _unwrap(name: str, args, kwargs):
         for slot, ref in refs.items():
             if slot != -1 and not _same_layout(ref, refs[-1]):
                 raise _layout_error(name, refs[-1], ref)
+    if deferred:  # [Note: replicated operands of ragged ops]
+        def cut(x):
+            if not isinstance(x, _Broadcast):
+                return x
+            ref = refs.get(x.slot)
+            if ref is None:
+                ref = refs.get(-1)
+            if ref is None:
+                ref = next(iter(refs.values()))
+            return _local_rows(name, x.tensor, ref)
+
+        uargs = tree_map(cut, uargs)
+        ukwargs = tree_map(cut, ukwargs)
     return uargs, ukwargs, refs, locals_to_dt
 
 
