@@ -450,9 +450,6 @@ def _bad_input(path: str) -> dict:
         "redistribute_two_holders": lambda: veragged.redistribute(
             dt, mesh, [RaggedShard((0,), (2, 1)), Shard(0)]
         ),
-        "cuts_tp_dim": lambda: veragged.DTensor.from_local(
-            empty, mesh, [RaggedShard((0, 1), (1, 1)), Shard(1)], shape=(6, 8)
-        ),
         "units_vs_mesh": lambda: veragged.distribute_tensor(
             full, mesh, [RaggedShard((0,), (0, 0, 1, 0)), Shard(0)]
         ),
@@ -477,8 +474,6 @@ def test_bad_input_raises_naming_the_values(tmp_path):
         "to be divisible by the mesh dim size 2, or local_units with exactly one nonzero entry "
         "(got StridedRaggedShard(dims=(0,), local_units=(1, 1), split_factor=2))",
         "redistribute_two_holders": "local_units=(2, 1)",
-        "cuts_tp_dim": "RaggedShard(dims=(0, 1), local_units=(1, 1)) cuts dim 1, which Shard(1) "
-        "on mesh dim 1 shards",
         "units_vs_mesh": "has 4 local_units but mesh dim 0 has 2 ranks",
         "placements_vs_mesh": "must have one entry per mesh dim (2)",
         "split_factor_vs_tp": "split_factor=2)",

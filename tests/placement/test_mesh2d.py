@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 import veragged
 from veragged import RaggedShard, StridedRaggedShard
 from veragged.testing import get_mesh, run_on_ranks
+from veragged.placement import normalize_placements
 
 
 def _full(shape, seed=0):
@@ -141,11 +142,6 @@ def _bad_input():
                 full, other_mesh, [RaggedShard((0,), (1, 1)), RaggedShard((0,), (1, 1))]
             )
         ),
-        "cut_dim1": _error(
-            lambda: veragged.DTensor.from_local(
-                full, other_mesh, [RaggedShard((0, 1), (1, 1)), Shard(1)], shape=(6, 4)
-            )
-        ),
         "strided_needed": _error(
             lambda: veragged.DTensor.from_local(
                 full, other_mesh, [RaggedShard((0,), (1, 1)), Shard(0)], shape=(6, 4)
@@ -166,7 +162,6 @@ def test_bad_input_raises_value_error_on_every_rank():
         "mesh_mismatch": "redistribute between meshes is not supported",
         "from_local_shape": "needs the global shape=",
         "two_ragged": "at most one RaggedShard",
-        "cut_dim1": "cuts dim 1",
         "strided_needed": "StridedRaggedShard((0,), local_units, split_factor=2)",
         "uneven_shard": "dim 0 (size 5) to be divisible by the mesh dim size 2",
     }
@@ -179,3 +174,28 @@ def test_bad_input_raises_value_error_on_every_rank():
             else "another rank's local tensor has the wrong number"
         )
         assert text in res["from_local_numel"], res["from_local_numel"]
+
+
+def _lcm_rule():
+    mesh = get_mesh()
+    full = torch.arange(16.0).reshape(2, 8)  # TP blocks (2, 4): 8 element rows, 2 whole rows
+
+    def normalized(units):
+        return normalize_placements((2, 8), mesh, [RaggedShard((0, 1), units), Shard(1)])[0]
+
+    exact = normalized((1, 1))  # boundary at element 4 of 8: a whole row of 4, units kept
+    inexact = normalized((3, 5))  # boundary at element 3: inside a row, dims stay (0, 1)
+    dt = veragged.distribute_tensor(full, mesh, [RaggedShard((0, 1), (3, 5)), Shard(1)])
+    block = full.chunk(2, dim=1)[mesh.get_coordinate()[1]].reshape(-1)
+    mine = block[:3] if mesh.get_coordinate()[0] == 0 else block[3:]
+    return (exact == RaggedShard((0,), (1, 1)), inexact == RaggedShard((0, 1), (3, 5)),
+            normalized((4, 4)) == RaggedShard((0,), (1, 1)),  # 8 does not divide 2 rows
+            torch.equal(dt.to_local(), mine), torch.equal(dt.full_tensor(), full))
+
+
+def test_lcm_rule_recomputes_units_or_keeps_the_rows_of_the_block():
+    """(RaggedShard, Shard(1)): units counted in rows that cut dim 1 become units of whole
+    rows when every boundary falls on one; otherwise the ragged split stays on the TP block's
+    finer rows (veScale's reading) and the data is right either way."""
+    for result in run_on_ranks(_lcm_rule, 4, mesh_shape=(2, 2), timeout=120):
+        assert all(result), result

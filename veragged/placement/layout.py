@@ -7,10 +7,15 @@ block this rank holds under the other placements (the RaggedShard counted as Rep
 block's leading `dims` are then split into whole rows (see [Note: RaggedShard semantics]). Two rules
 keep this consistent with DTensor's "placements are applied in mesh order" reading and with
 checkpoint boxes:
-- `Shard(d)`, d > 0 (TP row/column): the ragged rows must not cut dim d, i.e. `dims` must stop
-  before d (k <= d). `normalize_placements` applies the paper's LCM rule: the granularity becomes
-  lcm(prod(shape[k:]), prod(shape[d:])) elements, which is rows of `shape[d:]`, i.e. `dims[:d]`.
-  Then sharding dim d before or after the ragged split gives the same local data.
+- `Shard(d)`, d > 0 (TP row/column), with `dims` that reach past d (k > d): the ragged rows of
+  the block cut dim d. `normalize_placements` applies the paper's LCM rule where it does not
+  change any rank's elements: the granularity becomes lcm(prod(shape[k:]), prod(shape[d:]))
+  elements, rows of `shape[d:]`, so the placement becomes `dims[:d]` with `local_units`
+  recomputed for those coarser rows (every rank's boundary, in the block's finer rows, must fall
+  on a whole coarser row). Then sharding dim d before or after the ragged split gives the same
+  local data. When some boundary falls inside a coarser row there is no such placement, and the
+  given `dims` stay: the ragged split is applied to the block, cutting dim d inside it, as
+  veScale does (veScale's own DCP tests save such layouts).
 - `Shard(0)` on a later mesh dim than the RaggedShard (FSDP over EP/TP, applied first): the
   placement must be a `StridedRaggedShard` whose `split_factor` is the number of dim-0 pieces,
   so the order of application is recorded in the placements.
@@ -107,11 +112,6 @@ def check_placements(
                 f"(size {shape[d]}) to be divisible by the mesh dim size {mesh.size(j)}, or "
                 f"local_units with exactly one nonzero entry (got {ragged!r})"
             )
-        if 0 < d < len(ragged.dims):
-            raise ValueError(
-                f"{ragged!r} cuts dim {d}, which Shard({d}) on mesh dim {j} shards; use dims="
-                f"{tuple(range(d))} (the LCM rule; veragged.distribute_tensor applies it)"
-            )
     split = _dim0_split_after(mesh, placements, i)
     strided = isinstance(ragged, StridedRaggedShard)
     if split > 1 and not (strided and ragged.split_factor == split):
@@ -152,14 +152,47 @@ def normalize_placements(
         for p in placements:
             if type(p) is Shard and 0 < p.dim < k:
                 k = p.dim
+        units = ragged.local_units
+        if k != len(ragged.dims):
+            coarse = _coarser_units(shape, mesh, placements, i, k)
+            if coarse is None:
+                k = len(ragged.dims)  # no exact conversion: the rows of the block stay as given
+            else:
+                units = coarse
         split = _dim0_split_after(mesh, placements, i)
         if split > 1:
-            placements[i] = StridedRaggedShard(tuple(range(k)), ragged.local_units, split)
+            placements[i] = StridedRaggedShard(tuple(range(k)), units, split)
         elif k != len(ragged.dims) or isinstance(ragged, StridedRaggedShard):
-            placements[i] = RaggedShard(tuple(range(k)), ragged.local_units)
+            placements[i] = RaggedShard(tuple(range(k)), units)
     placements = tuple(placements)
     check_placements(shape, mesh, placements)
     return placements
+
+
+def _coarser_units(shape, mesh, placements, i: int, k: int) -> tuple[int, ...] | None:
+    """The LCM rule's `local_units` for rows of `shape[k:]`, giving every rank exactly the
+    elements the given RaggedShard gives it in rows of its finer `dims`: the given units when
+    they divide the coarser rows (the same boundaries then), else the boundaries recounted in
+    coarser rows; None when a boundary falls inside a coarser row (or the given placement is
+    invalid: check_placements says so)."""
+    ragged = placements[i]
+    others = tuple(Replicate() if j == i else p for j, p in enumerate(placements))
+    if len(ragged.dims) > len(shape) or any(
+            type(p) is Shard and not 0 <= p.dim < len(shape) for p in others):
+        return None
+    with torch.device("cpu"):
+        block, _ = compute_local_shape_and_global_offset(tuple(shape), mesh, others)
+    fine, coarse = math.prod(block[: len(ragged.dims)]), math.prod(block[:k])
+    units = ragged._units
+    if coarse % units.total == 0 or units.nonzero == 1:
+        return units.values  # valid as they are, and then the same elements
+    per_row = fine // coarse if coarse else 0
+    if per_row == 0 or fine % units.total:
+        return None
+    bounds = [p * fine // units.total for p in units.prefix]  # in fine rows
+    if any(b % per_row for b in bounds):
+        return None
+    return tuple((b - a) // per_row for a, b in zip(bounds, bounds[1:]))
 
 
 @dataclass(frozen=True)
