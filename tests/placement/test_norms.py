@@ -153,9 +153,11 @@ def _one_d(world):
                     below = torch.linalg.norm(x, dim=-1)
                 res[f"dispatch.dim.{shape}"] = _ragged(below, torch.linalg.norm(full, dim=-1), [p])
         if k > 0 and nd > 1:  # (a 1-D tensor's dim 0 is every dim: the full norm)
-            res[f"ragged_dim.{shape}"] = _raises(
-                lambda: torch.linalg.vector_norm(x, dim=k - 1),
-                NotImplementedError, f"dim={k - 1}", "ragged-sharded dims", repr(p),
+            # A ragged-sharded dim: a Replicate result ([Note: reductions over ragged-sharded
+            # dims]; test_reductions_over_ragged_dims.py covers it).
+            res[f"ragged_dim.{shape}"] = _replicated(
+                torch.linalg.vector_norm(x, dim=k - 1),
+                torch.linalg.vector_norm(full, dim=k - 1), False,
             )
     res.update(_special_values(mesh, world))
     res.update(_foreach_and_clip(mesh, world))
@@ -338,10 +340,13 @@ def _two_d():
     # HSDP: Replicate next to the RaggedShard.
     check("hsdp", (6, 5), [Replicate(), RaggedShard((0,), (0, 1))], -1,
           [Replicate(), RaggedShard((0,), (0, 1))])
-    x = veragged.distribute_tensor(torch.randn(6, 5), mesh, [Shard(0), RaggedShard((0, 1), (4, 11))])
-    res["ragged_dims"] = _raises(
-        lambda: torch.linalg.vector_norm(x, dim=1), NotImplementedError, "dim=1", "ragged"
-    )
+    full = torch.randn(6, 5)
+    x = veragged.distribute_tensor(full, mesh, [Shard(0), RaggedShard((0, 1), (4, 11))])
+    got = torch.linalg.vector_norm(x, dim=1)  # a ragged-sharded dim, next to Shard(0)
+    res["ragged_dims"] = (
+        got.placements == (Shard(0), Replicate())
+        and torch.allclose(got.full_tensor(), torch.linalg.vector_norm(full, dim=1), rtol=2e-6)
+    ) or f"{got.placements}"
     # _foreach_norm and clip_grad_norm_ next to TP/EP (Shard) and HSDP (Replicate) mesh dims.
     fulls = [torch.randn(8, 3, generator=g), torch.randn(6, 5, generator=g),
              torch.randn(6, 5, generator=g)]

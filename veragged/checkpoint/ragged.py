@@ -26,13 +26,36 @@ from torch.distributed.tensor.placement_types import Partial
 
 from veragged.placement.layout import ragged_layout
 
-__all__ = ["create_chunk_list", "create_write_items", "get_tensor_shard", "local_boxes"]
+__all__ = ["create_chunk_list", "create_write_items", "get_tensor_shard", "local_boxes", "row_boxes"]
 
 
 class Box(NamedTuple):
     offsets: torch.Size  # in the global tensor
     sizes: torch.Size
     start: int  # flat offset of the box's first element in the local tensor
+
+
+@functools.lru_cache(maxsize=4096)
+def row_boxes(prefix: tuple[int, ...], begin: int, end: int) -> tuple[tuple, ...]:
+    """Rows `[begin, end)` of the row-major flattening of a block's leading dims `prefix` as at
+    most 2k-1 boxes ([Note: flat range boxes]), in increasing row order: `(offsets, sizes,
+    first)`, the box's offsets and sizes in those k dims (relative to the block) and its first
+    row counted from `begin`. Each box is one contiguous slice of the local rows. Shared by the
+    checkpoint boxes below and reductions over ragged-sharded dims (ragged_dim_reduce.py)."""
+    k = len(prefix)
+    if begin >= end:
+        return ()
+    if k == 0:
+        return (((), (), 0),)
+    flat = torch.ops.veragged.flat_range_boxes(list(prefix), begin, end)
+    boxes = []
+    for b in range(0, len(flat), 2 * k):
+        offs, sizes = tuple(flat[b : b + k]), tuple(flat[b + k : b + 2 * k])
+        row = 0
+        for o, s in zip(offs, prefix):
+            row = row * s + o
+        boxes.append((offs, sizes, row - begin))
+    return tuple(boxes)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -46,25 +69,15 @@ def _local_boxes(shape: tuple[int, ...], mesh, placements: tuple) -> tuple[Box, 
         return ()
     k = len(layout.placement.dims)
     block, origin = layout.block_shape, layout.block_offset
-    if k == 0:
-        return (Box(torch.Size(origin), torch.Size(block), 0),)
-    prefix, rest = list(block[:k]), list(block[k:])
-    flat = torch.ops.veragged.flat_range_boxes(prefix, layout.begin, layout.end)
-    boxes = []
-    for b in range(0, len(flat), 2 * k):
-        offs, sizes = flat[b : b + k], flat[b + k : b + 2 * k]
-        row = 0
-        for o, s in zip(offs, prefix):
-            row = row * s + o
-        full_offs = [o + g for o, g in zip(offs + [0] * len(rest), origin)]
-        boxes.append(
-            Box(
-                torch.Size(full_offs),
-                torch.Size(sizes + rest),
-                (row - layout.begin) * layout.row_numel,
-            )
+    rest = list(block[k:])
+    return tuple(
+        Box(
+            torch.Size(o + g for o, g in zip(list(offs) + [0] * len(rest), origin)),
+            torch.Size(list(sizes) + rest),
+            first * layout.row_numel,
         )
-    return tuple(boxes)
+        for offs, sizes, first in row_boxes(tuple(block[:k]), layout.begin, layout.end)
+    )
 
 
 def local_boxes(dt) -> tuple[Box, ...]:

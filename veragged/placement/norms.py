@@ -55,10 +55,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._ops import _math_ops
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
 from veragged.placement import fastpath
+from veragged.placement.ragged_dim_reduce import _Record, norm_reduction, reduce_over_dims
 from veragged.placement.reductions import (
     _check_grad,
     _reduce_dims,
@@ -84,7 +84,7 @@ def _reduce_op(ord: float):
     return {math.inf: dist.ReduceOp.MAX, -math.inf: dist.ReduceOp.MIN}.get(ord, dist.ReduceOp.SUM)
 
 
-def _part(t: torch.Tensor, ord: float, dims=None, dtype=None) -> torch.Tensor:
+def _part(t: torch.Tensor, ord: float, dims=None, dtype=None, keepdim=False) -> torch.Tensor:
     """The float64 partial of `t` over `dims` (None: all) whose all-reduce gives the norm:
     sum |x|^ord, max |x| (inf), min |x| (-inf) or the count of nonzeros (0)."""
     if dtype is not None:
@@ -93,10 +93,13 @@ def _part(t: torch.Tensor, ord: float, dims=None, dtype=None) -> torch.Tensor:
         return torch.tensor(math.inf if ord == -math.inf else 0.0, dtype=torch.float64,
                             device=t.device)
     if ord == 0:
-        return torch.count_nonzero(t, dims).to(torch.float64)
+        count = torch.count_nonzero(t, dims).to(torch.float64)
+        if keepdim and dims is not None:
+            count = count.reshape([1 if d in dims else s for d, s in enumerate(t.shape)])
+        return count
     if ord in (math.inf, -math.inf):
-        return torch.linalg.vector_norm(t, ord, dims).to(torch.float64)
-    norm = torch.linalg.vector_norm(t, ord, dims, dtype=_WIDE.get(t.dtype))
+        return torch.linalg.vector_norm(t, ord, dims, keepdim).to(torch.float64)
+    norm = torch.linalg.vector_norm(t, ord, dims, keepdim, dtype=_WIDE.get(t.dtype))
     return norm.to(torch.float64).pow(ord)
 
 
@@ -151,51 +154,9 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
         norm = _finish(all_reduce(part, _reduce_op(ord), dt.device_mesh, mesh_dims), ord)
         value = norm.to(meta.dtype).reshape(meta.shape)
         return result_dtensor(value, dt.device_mesh, placements)
-    return _norm_over_dims(dt, ord, dim, dims, dtype, meta, keepdim)
-
-
-def _norm_over_dims(dt, ord: float, dim, dims: list[int], dtype, meta, keepdim: bool):
-    """The norm over `dims`, none of them ragged-sharded: a RaggedShard DTensor of `meta`'s shape."""
-    from veragged.placement.dtensor import RaggedDTensor, make_spec
-    from veragged.placement.layout import normalize_placements, spec_layout
-
-    layout = spec_layout(dt._spec)
-    k = len(layout.placement.dims)
-    call = f"torch.linalg.vector_norm(dim={dim})"
-    if dims[0] < k:
-        raise NotImplementedError(
-            f"{call} on a RaggedShard DTensor of shape {list(dt.shape)} with placements "
-            f"{dt.placements}: it reduces the ragged-sharded dims {layout.placement.dims}; only "
-            "dims after them or all dims are supported; redistribute to Replicate or Shard first"
-        )
-    placements, combine = [], []
-    for j, p in enumerate(dt.placements):
-        if isinstance(p, Partial):
-            raise NotImplementedError(
-                f"{call} of a RaggedShard DTensor with Partial placements {dt.placements}: "
-                "reduce the Partial mesh dim first"
-            )
-        if type(p) is Shard:
-            d = p.dim % dt.dim()
-            if d in dims:  # partials of this mesh dim's ranks are combined below
-                combine.append(j)
-                p = Replicate()
-            elif not keepdim:
-                p = Shard(d - sum(r < d for r in dims))
-        placements.append(p)
-    # The local tensor holds whole rows of this rank's block: reduce its dims after the rows.
-    rows = layout.end - layout.begin
-    view = dt._local_tensor.reshape(rows, *layout.block_shape[k:])
-    local_dims = tuple(d - k + 1 for d in dims)
-    if not combine:
-        local = torch.linalg.vector_norm(view, ord, local_dims, dtype=dtype)
-    else:
-        part = all_reduce(_part(view, ord, local_dims, dtype), _reduce_op(ord), dt.device_mesh,
-                          combine)
-        local = _finish(part, ord).to(meta.dtype)
-    placements = normalize_placements(meta.shape, dt.device_mesh, placements)
-    spec = make_spec(dt.device_mesh, placements, meta.shape, meta.dtype)
-    return RaggedDTensor._wrap(local.reshape(-1), spec)
+    # [Note: reductions over ragged-sharded dims] (inside or after the ragged-sharded rows)
+    return reduce_over_dims(norm_reduction(ord, dtype), dt, dims, keepdim, meta,
+                            f"torch.linalg.vector_norm(dim={dim})")
 
 
 def _norm_placement(ord: float) -> Placement:
@@ -262,19 +223,6 @@ def _norm_spec(given: tuple, mesh, ord: float, dtype) -> DTensorSpec:
     partial = _norm_placement(ord)
     placements = tuple(p if isinstance(p, Replicate) else partial for p in given)
     return DTensorSpec(mesh, placements, TensorMeta(torch.Size(()), (), dtype))
-
-
-class _Record(TorchDispatchMode):
-    """Records the aten ops a function runs (on meta tensors)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.calls.append((func, args, kwargs))
-        return func(*args, **kwargs)
 
 
 def _composite(name: str, fn):

@@ -129,13 +129,11 @@ def _reduce(name: str, fn, x, args: tuple, kwargs: dict):
         )
     out_dtype = out.dtype
     meta = fn(torch.empty(dt.shape, dtype=dt.dtype, device="meta"), *args, **kwargs)
-    if meta.numel() != 1:
-        raise NotImplementedError(
-            f"torch.{name} with arguments {args} {kwargs} on a RaggedShard DTensor of shape "
-            f"{list(dt.shape)}: only reductions over all dims are supported, got an output of "
-            f"shape {list(meta.shape)}; redistribute to Replicate or Shard first"
-        )
     _check_grad(name, dt, out_dtype)
+    if meta.numel() != 1:  # some dims: [Note: reductions over ragged-sharded dims]
+        from veragged.placement.ragged_dim_reduce import reduce_dims
+
+        return reduce_dims(name, fn, dt, args, kwargs, meta)
     mesh_dims, placements = _reduce_dims(name, dt)
     acc = _acc_dtype(out_dtype)
     if name in _SUM_LIKE:
