@@ -26,7 +26,9 @@ from torch.distributed.tensor.placement_types import Partial
 
 from veragged.placement.layout import ragged_layout
 
-__all__ = ["create_chunk_list", "create_write_items", "get_tensor_shard", "local_boxes", "row_boxes"]
+__all__ = [
+    "create_chunk_list", "create_write_items", "get_tensor_shard", "local_boxes", "row_boxes",
+]
 
 
 class Box(NamedTuple):

@@ -7,13 +7,14 @@
   reduces its shard to a float64 partial, one all-reduce per sharded mesh dim combines them (sum
   of |x|^p, max or min of |x|, count of nonzeros), and the result is a Replicate DTensor, as for
   the other full reductions ([Note: reductions on RaggedShard]). A Partial placement raises.
-- over dims that leave the ragged-sharded dims (the RaggedShard's `dims`) alone: every row of the
-  result is the norm of one row of the input, so each rank runs torch's own kernel on its rows
-  and the result stays RaggedShard, with the same `dims` and `local_units` on the kept dims. A
-  `Shard(d)` on another mesh dim keeps sharding dim d when d is kept; when d is reduced, the
-  partials are all-reduced over that mesh dim (as above) and it becomes Replicate. Reducing a
-  ragged-sharded dim raises NotImplementedError (rows cut between ranks would need another
-  layout for the result).
+- over some dims (inside or after the ragged-sharded dims, the RaggedShard's `dims`):
+  [Note: reductions over ragged-sharded dims] (ragged_dim_reduce.py). Over dims after them every
+  row of the result is the norm of one row of the input, so each rank runs torch's own kernel on
+  its rows and the result stays RaggedShard, with the same `dims` and `local_units` on the kept
+  dims; a `Shard(d)` on another mesh dim keeps sharding dim d when d is kept, and when d is
+  reduced the partials are all-reduced over that mesh dim (as above) and it becomes Replicate.
+  Over a ragged-sharded dim each rank reduces its rows box by box into the block's reduced
+  shape, one all-reduce per combined mesh dim gives a Replicate result on those mesh dims.
 `torch.linalg.norm`, `torch.norm`, `Tensor.norm` and `torch.linalg.matrix_norm` are composites:
 torch's own argument handling runs on a meta tensor of the global shape, and when it computes one
 vector norm of the whole input (vector norms, 'fro'), that vector norm runs as above; the other
@@ -40,7 +41,8 @@ Numbers, compared with torch's norm of the full tensor:
   differs from torch's single-process one and the result can differ in the last ulp (about 1e-7
   relative for float32; float64 partials can round n^p too);
 - over kept ragged dims without a reduced Shard, each output element is computed by torch's own
-  kernel on the same row, so it is torch's result;
+  kernel on the same row, so it is torch's result; over a ragged-sharded dim or a reduced Shard,
+  as over all dims (p-th powers of per-box norms summed in float64, root taken once);
 - `torch._foreach_norm(...)[i].full_tensor()`: torch combines the ranks' norms in the output
   dtype (n^p, sum, p-th root), within a few ulps of its norm of the full tensor for finite p.
 Autograd does not flow through these ops; with grad mode on, an input that requires grad raises.

@@ -26,10 +26,12 @@ DTensor subclass; 2.11's C++ dispatch fast path skips a subclass's `__torch_disp
   tensors next to DTensors as replicated only under `implicit_replication()`, a plain tensor of
   more than one element at such a position raises outside it.
 - Vector norms (`torch.linalg.vector_norm`, `torch.linalg.norm`, `Tensor.norm`, ...) over all
-  dims or over dims that keep the ragged-sharded rows, and `torch._foreach_norm` (what
-  `clip_grad_norm_` calls): [Note: norms on RaggedShard] (norms.py).
+  dims or some dims, and `torch._foreach_norm` (what `clip_grad_norm_` calls): [Note: norms on
+  RaggedShard] (norms.py).
 - Full reductions (`sum`, `mean`, `max`, `all`, ..., `torch.equal`, `torch.allclose`) work the
-  same way: [Note: reductions on RaggedShard] (reductions.py).
+  same way: [Note: reductions on RaggedShard] (reductions.py); `sum`, `mean`, `amax`, `amin`,
+  `all`, `any` and vector norms over some dims, ragged-sharded ones included: [Note: reductions
+  over ragged-sharded dims] (ragged_dim_reduce.py).
 - `GradScaler`'s non-finite check and unscale: [Note: GradScaler on RaggedShard] (amp.py).
 - Random ops (`normal_`, `uniform_`, ..., `rand_like`) and `torch.nn.init` give bitwise the
   one-process result: [Note: random ops on RaggedShard] (random_ops.py). `new_tensor` returns a
@@ -121,8 +123,8 @@ def _unsupported(func, placements) -> NotImplementedError:
     return NotImplementedError(
         f"{func} is not supported on RaggedShard DTensors (placements {tuple(placements)}): only "
         "element-wise ops, _foreach_* ops, fused optimizer ops, *_like factories, random ops, "
-        "reductions over all dims, vector norms (over all dims or the non-ragged dims) and "
-        "clip_grad_norm_ run on them; redistribute to Replicate or Shard first"
+        "reductions over all dims, sum/mean/amax/amin/all/any and vector norms over any dims, "
+        "and clip_grad_norm_ run on them; redistribute to Replicate or Shard first"
     )
 
 

@@ -3,10 +3,13 @@
 [Note: reductions on RaggedShard]
 `sum`, `nansum`, `mean`, `prod`, `max`, `min`, `amax`, `amin`, `all` and `any` over all dims (no
 dim, `dim=None`, every dim listed, or any dims that leave one element; `keepdim` is honoured)
-reduce the local shard and then all-reduce once per sharded mesh dim. The result is a plain torch
-`DTensor`, `Replicate` on every mesh dim whose placement was RaggedShard/Shard/Replicate (a
-`Partial` sum/avg mesh dim stays Partial for `sum`/`mean`; other reductions of Partial inputs
-raise).
+reduce the local shard and then all-reduce once per sharded mesh dim. `sum`, `mean`, `amax`,
+`amin`, `all` and `any` over some dims (inside or after the ragged-sharded rows) are handed to
+ragged_dim_reduce.py: [Note: reductions over ragged-sharded dims]; `nansum` and `prod` over some
+dims, and `max`/`min` with a dim (values and indices), raise NotImplementedError. A full
+reduction's result is a plain torch `DTensor`, `Replicate` on every mesh dim whose placement was
+RaggedShard/Shard/Replicate (a `Partial` sum/avg mesh dim stays Partial for `sum`/`mean`; other
+reductions of Partial inputs raise).
 
 Why Replicate and not `Partial`: torch (2.15) answers `.item()`, `bool()`, `float()` of a Partial
 DTensor with the *local* value (`_local_scalar_dense` skips sharding propagation), so
