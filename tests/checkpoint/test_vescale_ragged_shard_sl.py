@@ -27,7 +27,6 @@ parent asserts per case, one pytest test per veScale test class.
 import itertools
 import math
 import os
-import traceback
 from collections import namedtuple
 
 import pytest
@@ -40,10 +39,10 @@ from torch.distributed.tensor import Replicate, Shard
 
 import veragged
 from veragged import RaggedShard
-from veragged.testing import get_mesh, run_on_ranks
+from veragged.testing import get_mesh
+from veragged.testing.cases import assert_cases, check, run_cases, run_groups
 
 WORLD = 4
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 Config = namedtuple("Config", ["shape", "s_dims", "s_local_units", "l_dims", "l_local_units"])
 
@@ -88,48 +87,6 @@ def _merge_pairs(units):
     return None if units is None else tuple(units[i] + units[i + 1] for i in range(0, 4, 2))
 
 
-def _error(exc: BaseException) -> str:
-    """First line of the error and the innermost veragged source line that raised."""
-    first = (str(exc).strip().splitlines() or [""])[0]
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/veragged/" in f.filename]
-    where = ""
-    if frames:
-        f = frames[-1]
-        where = f" [at {os.path.relpath(f.filename, _ROOT)}:{f.lineno}: {f.line}]"
-    return f"{type(exc).__name__}: {first}{where}"
-
-
-def _run_cases(cases):
-    """[(name, None | error text)] for each (name, fn) case; fn raises AssertionError to fail."""
-    out = []
-    for name, fn in cases:
-        try:
-            fn()
-            out.append((name, None))
-        except Exception as exc:  # noqa: BLE001 - every failure is reported per case
-            out.append((name, _error(exc)))
-    return out
-
-
-def _assert_cases(label, per_rank):
-    """Fail with 'label: n of m cases pass' and one line per failing case (first rank's text)."""
-    names = [name for name, _ in per_rank[0]]
-    failed = []
-    for i, name in enumerate(names):
-        errs = {r: res[i][1] for r, res in enumerate(per_rank) if res[i][1] is not None}
-        if errs:
-            r = min(errs)
-            failed.append(f"  {name}: rank {r} (of ranks {sorted(errs)}): {errs[r]}")
-    msg = f"{label}: {len(names) - len(failed)} of {len(names)} cases pass"
-    if failed:
-        pytest.fail("\n".join([msg, *failed]), pytrace=False)
-
-
-def _check(cond, what):
-    if not cond:
-        raise AssertionError(what)
-
-
 class SimpleModel(nn.Module):
     def __init__(self, shape) -> None:
         super().__init__()
@@ -172,8 +129,8 @@ def _save_load(path, mesh, config, shape, tp_placement):
         result = meta_simple_model.param.full_tensor()
     else:
         result = meta_simple_model.param.data
-    _check(result.shape == golden.shape, f"loaded shape {tuple(result.shape)}")
-    _check(torch.equal(result.detach(), golden), "loaded tensor != saved tensor (exact)")
+    check(result.shape == golden.shape, f"loaded shape {tuple(result.shape)}")
+    check(torch.equal(result.detach(), golden), "loaded tensor != saved tensor (exact)")
 
 
 def _name(config, shape):
@@ -192,7 +149,7 @@ def _ranks(root):
         cases.append((f"{i}: {_name(config, config.shape)}",
                       lambda path=path, config=config: _save_load(
                           path, mesh, config, config.shape, None)))
-    groups["TestRaggedShardSaveLoad"] = _run_cases(cases)
+    groups["TestRaggedShardSaveLoad"] = run_cases(cases)
     # TestRaggedShardShard0SaveLoad / Shard1: (fsdp=2, tp=2), units merged, tp dim doubled.
     for cls, d in (("TestRaggedShardShard0SaveLoad", 0), ("TestRaggedShardShard1SaveLoad", 1)):
         cases = []
@@ -207,27 +164,26 @@ def _ranks(root):
             cases.append((f"{i}: {_name(merged, shape)} with Shard({d}) on 2x2",
                           lambda path=path, config=merged, shape=tuple(shape), d=d: _save_load(
                               path, mesh2, config, shape, Shard(d))))
-        groups[cls] = _run_cases(cases)
+        groups[cls] = run_cases(cases)
     return groups
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("vescale_dcp"))
-    per_rank = run_on_ranks(_ranks, WORLD, timeout=240, args=(root,))
-    return {k: [r[k] for r in per_rank] for k in per_rank[0]}
+    return run_groups(_ranks, WORLD, timeout=240, args=(root,))
 
 
 # veScale: TestRaggedShardSaveLoad.test_save_load_ragged_shard (every config)
 def test_save_load_ragged_shard(results):
-    _assert_cases("DCP ragged 1-D", results["TestRaggedShardSaveLoad"])
+    assert_cases("DCP ragged 1-D", results["TestRaggedShardSaveLoad"])
 
 
 # veScale: TestRaggedShardShard0SaveLoad.test_save_load_ragged_shard (every config)
 def test_save_load_ragged_shard_shard0(results):
-    _assert_cases("DCP (ragged, Shard(0)) 2x2", results["TestRaggedShardShard0SaveLoad"])
+    assert_cases("DCP (ragged, Shard(0)) 2x2", results["TestRaggedShardShard0SaveLoad"])
 
 
 # veScale: TestRaggedShardShard1SaveLoad.test_save_load_ragged_shard (every config)
 def test_save_load_ragged_shard_shard1(results):
-    _assert_cases("DCP (ragged, Shard(1)) 2x2", results["TestRaggedShardShard1SaveLoad"])
+    assert_cases("DCP (ragged, Shard(1)) 2x2", results["TestRaggedShardShard1SaveLoad"])

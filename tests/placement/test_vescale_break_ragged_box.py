@@ -28,16 +28,13 @@ which is the same condition. Runs in the test process (no ranks).
 
 import itertools
 import math
-import os
 import random
-import traceback
 
-import pytest
 import torch
 
 import veragged  # noqa: F401  (registers torch.ops.veragged.*)
+from veragged.testing.cases import assert_cases, error
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXHAUSTIVE_MAX = 5000  # 2-D: all rectangles when there are at most this many
 EXHAUSTIVE_SAMPLE = 400  # 2-D: else this many random ones (veScale: all)
 RANDOM_K = {3: 60, 4: 25}  # veScale: 20000 per (shape, ragged_dims)
@@ -147,31 +144,6 @@ def _check_rect(shape, ragged_dims, rect):
     return len(sizes_list)
 
 
-def _error(exc: BaseException) -> str:
-    """First line of the error and the innermost veragged source line that raised."""
-    first = (str(exc).strip().splitlines() or [""])[0]
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/veragged/" in f.filename]
-    where = ""
-    if frames:
-        f = frames[-1]
-        where = f" [at {os.path.relpath(f.filename, _ROOT)}:{f.lineno}: {f.line}]"
-    return f"{type(exc).__name__}: {first}{where}"
-
-
-def _assert_cases(label, per_rank):
-    """Fail with 'label: n of m cases pass' and one line per failing case (first rank's text)."""
-    names = [name for name, _ in per_rank[0]]
-    failed = []
-    for i, name in enumerate(names):
-        errs = {r: res[i][1] for r, res in enumerate(per_rank) if res[i][1] is not None}
-        if errs:
-            r = min(errs)
-            failed.append(f"  {name}: rank {r} (of ranks {sorted(errs)}): {errs[r]}")
-    msg = f"{label}: {len(names) - len(failed)} of {len(names)} cases pass"
-    if failed:
-        pytest.fail("\n".join([msg, *failed]), pytrace=False)
-
-
 def _run_nd(nd, rects_of):
     """One case per (shape, ragged_dims): every rectangle checked; the largest box count."""
     random.seed(9999)
@@ -185,7 +157,7 @@ def _run_nd(nd, rects_of):
                 try:
                     max_boxes = max(max_boxes, _check_rect(shape, ragged_dims, rect))
                 except Exception as exc:  # noqa: BLE001 - the first failing rectangle
-                    err = _error(exc)
+                    err = error(exc)
                     break
             results.append((f"shape {shape} ragged_dims {ragged_dims} ({len(rects)} rects)",
                             err))
@@ -207,22 +179,22 @@ def _exhaustive_or_sample(ragged_shape):
 # veScale: TestBreakRaggedBox.test_1d_case (brute force)
 def test_1d_case():
     results, max_boxes, _ = _run_nd((1,), lambda s: list(all_hyperrectangles(s)))
-    _assert_cases("break ragged box 1-D", [_max_boxes_case(results, max_boxes, (1,))])
+    assert_cases("break ragged box 1-D", [_max_boxes_case(results, max_boxes, (1,))])
 
 
 # veScale: TestBreakRaggedBox.test_2d_case (brute force; sampled above EXHAUSTIVE_MAX)
 def test_2d_case():
     results, max_boxes, _ = _run_nd((2,), _exhaustive_or_sample)
-    _assert_cases("break ragged box 2-D", [_max_boxes_case(results, max_boxes, (2,))])
+    assert_cases("break ragged box 2-D", [_max_boxes_case(results, max_boxes, (2,))])
 
 
 # veScale: TestBreakRaggedBox.test_3d_case (random; no box-count check, as veScale)
 def test_3d_case():
     results, _, _ = _run_nd((3,), lambda s: unique_random_hyperrectangles(s, k=RANDOM_K[3]))
-    _assert_cases("break ragged box 3-D", [results])
+    assert_cases("break ragged box 3-D", [results])
 
 
 # veScale: TestBreakRaggedBox.test_4d_case (random; no box-count check, as veScale)
 def test_4d_case():
     results, _, _ = _run_nd((4,), lambda s: unique_random_hyperrectangles(s, k=RANDOM_K[4]))
-    _assert_cases("break ragged box 4-D", [results])
+    assert_cases("break ragged box 4-D", [results])

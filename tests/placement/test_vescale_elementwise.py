@@ -23,22 +23,24 @@ All cases run in one spawn of 4 ranks; each case catches its own exception (they
 any collective or inside the final gather, on every rank alike) and the parent asserts per case.
 """
 
-import itertools
-import os
-import traceback
-
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
 import veragged
-from veragged import RaggedShard, StridedRaggedShard
-from veragged.testing import get_mesh, run_on_ranks
+from veragged import RaggedShard
+from veragged.testing import get_mesh
+from veragged.testing.cases import (
+    assert_cases,
+    check,
+    make_strided_shard,
+    run_cases,
+    run_groups,
+    shape_units_cases,
+)
 
 WORLD = 4
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # (dims, local_units) of veScale's test_ragged_shard_element_add, on 32x128 then 16x4x64.
 RAGGED_CASES = [
@@ -62,113 +64,47 @@ STRIDED_CASES = [
 ]
 
 
-def _error(exc: BaseException) -> str:
-    """First line of the error and the innermost veragged source line that raised."""
-    first = (str(exc).strip().splitlines() or [""])[0]
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/veragged/" in f.filename]
-    where = ""
-    if frames:
-        f = frames[-1]
-        where = f" [at {os.path.relpath(f.filename, _ROOT)}:{f.lineno}: {f.line}]"
-    return f"{type(exc).__name__}: {first}{where}"
-
-
-def _run_cases(cases):
-    """[(name, None | error text)] for each (name, fn) case; fn raises AssertionError to fail."""
-    out = []
-    for name, fn in cases:
-        try:
-            fn()
-            out.append((name, None))
-        except Exception as exc:  # noqa: BLE001 - every failure is reported per case
-            out.append((name, _error(exc)))
-    return out
-
-
-def _assert_cases(label, per_rank):
-    """Fail with 'label: n of m cases pass' and one line per failing case (first rank's text)."""
-    names = [name for name, _ in per_rank[0]]
-    failed = []
-    for i, name in enumerate(names):
-        errs = {r: res[i][1] for r, res in enumerate(per_rank) if res[i][1] is not None}
-        if errs:
-            r = min(errs)
-            failed.append(f"  {name}: rank {r} (of ranks {sorted(errs)}): {errs[r]}")
-    msg = f"{label}: {len(names) - len(failed)} of {len(names)} cases pass"
-    if failed:
-        pytest.fail("\n".join([msg, *failed]), pytrace=False)
-
-
-def _check(cond, what):
-    if not cond:
-        raise AssertionError(what)
-
-
-def _make_strided_shard(tensor, device_mesh, dims, local_units):
-    """veScale's make_strided_shard: ragged over fsdp of each ep piece of dim 0, built from the
-    local slice by hand (veScale's raw DTensor constructor -> veragged.DTensor.from_local)."""
-    fsdp_rank = device_mesh["fsdp"].get_local_rank()
-    ep_rank = device_mesh["ep"].get_local_rank()
-    placements = (StridedRaggedShard(dims, local_units, 2), Shard(0))
-    accum = (0, *itertools.accumulate(local_units))
-    factor = tensor.shape[0] // device_mesh["ep"].size()
-    local = tensor[factor * ep_rank : factor * (ep_rank + 1)].flatten()
-    ratio = local.numel() // sum(local_units)
-    local = local[accum[fsdp_rank] * ratio : accum[fsdp_rank + 1] * ratio]
-    return veragged.DTensor.from_local(
-        local.clone(), device_mesh, placements, shape=tensor.shape, stride=tensor.stride()
-    )
-
-
 def _run_add(dtensor):
     """veScale's _run_add: in-place add of a plain arange under implicit_replication."""
     add_tensor = torch.arange(0, dtensor.numel()).view(dtensor.shape)
     with implicit_replication():
         dtensor.add_(add_tensor)
     result = dtensor.full_tensor()
-    _check(result.shape == add_tensor.shape, f"full_tensor shape {tuple(result.shape)}")
-    _check(result.dtype == add_tensor.dtype, f"full_tensor dtype {result.dtype}")
-    _check(torch.equal(result, add_tensor), "full_tensor() != arange (exact)")
+    check(result.shape == add_tensor.shape, f"full_tensor shape {tuple(result.shape)}")
+    check(result.dtype == add_tensor.dtype, f"full_tensor dtype {result.dtype}")
+    check(torch.equal(result, add_tensor), "full_tensor() != arange (exact)")
 
 
 def _ranks():
     mesh = get_mesh()
-    ragged = []
-    for shape, dims, units in RAGGED_CASES:
-        def case(shape=shape, dims=dims, units=units):
-            tensor = torch.zeros(32, 128, dtype=torch.int64).view(shape)
-            dtensor = veragged.distribute_tensor(tensor.clone(), mesh, (RaggedShard(dims, units),))
-            _run_add(dtensor)
-
-        ragged.append((f"{list(shape)} RaggedShard({dims}, {units})", case))
-
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "ep"))
-    strided = []
-    for shape, dims, units in STRIDED_CASES:
-        def case(shape=shape, dims=dims, units=units):
-            tensor = torch.zeros(64, 128, dtype=torch.int64).view(shape)
-            _run_add(_make_strided_shard(tensor.clone(), mesh2, dims, units))
 
-        strided.append(
-            (f"{list(shape)} (StridedRaggedShard({dims}, {units}, 2), Shard(0)) on 2x2", case)
-        )
+    def ragged(shape, dims, units):
+        tensor = torch.zeros(32, 128, dtype=torch.int64).view(shape)
+        _run_add(veragged.distribute_tensor(tensor.clone(), mesh, (RaggedShard(dims, units),)))
+
+    def strided(shape, dims, units):
+        tensor = torch.zeros(64, 128, dtype=torch.int64).view(shape)
+        _run_add(make_strided_shard(tensor.clone(), mesh2, dims, units))
+
     return {
-        "test_ragged_shard_element_add": _run_cases(ragged),
-        "test_strided_ragged_shard_element_add": _run_cases(strided),
+        "test_ragged_shard_element_add": run_cases(shape_units_cases(RAGGED_CASES, ragged)),
+        "test_strided_ragged_shard_element_add": run_cases(
+            shape_units_cases(STRIDED_CASES, strided, strided=True)
+        ),
     }
 
 
 @pytest.fixture(scope="module")
 def results():
-    per_rank = run_on_ranks(_ranks, WORLD, timeout=180)
-    return {k: [r[k] for r in per_rank] for k in per_rank[0]}
+    return run_groups(_ranks, WORLD, timeout=180)
 
 
 # veScale: TestElementwise.test_ragged_shard_element_add
 def test_ragged_shard_element_add(results):
-    _assert_cases("elementwise ragged", results["test_ragged_shard_element_add"])
+    assert_cases("elementwise ragged", results["test_ragged_shard_element_add"])
 
 
 # veScale: TestElementwise.test_strided_ragged_shard_element_add
 def test_strided_ragged_shard_element_add(results):
-    _assert_cases("elementwise strided", results["test_strided_ragged_shard_element_add"])
+    assert_cases("elementwise strided", results["test_strided_ragged_shard_element_add"])

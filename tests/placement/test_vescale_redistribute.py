@@ -36,8 +36,6 @@ own exception and the parent asserts per case, one pytest test per veScale test.
 """
 
 import math
-import os
-import traceback
 
 import numpy as np
 import pytest
@@ -48,54 +46,13 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import veragged
 from veragged import RaggedShard, StridedRaggedShard
-from veragged.testing import get_mesh, run_on_ranks
+from veragged.testing import get_mesh
+from veragged.testing.cases import assert_cases, check, error, run_cases, run_groups
 
 WORLD = 4
 REPEATS_1D = 10  # as veScale
 REPEATS_2D = 10  # as veScale, per mesh
 MESHES_2D = [(1, 4), (2, 2), (4, 1)]  # veScale: (1, 8), (2, 4), (4, 2), (8, 1)
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-def _error(exc: BaseException) -> str:
-    """First line of the error and the innermost veragged source line that raised."""
-    first = (str(exc).strip().splitlines() or [""])[0]
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/veragged/" in f.filename]
-    where = ""
-    if frames:
-        f = frames[-1]
-        where = f" [at {os.path.relpath(f.filename, _ROOT)}:{f.lineno}: {f.line}]"
-    return f"{type(exc).__name__}: {first}{where}"
-
-
-def _run_cases(cases):
-    """[(name, None | error text)] for each (name, fn) case; fn raises AssertionError to fail."""
-    out = []
-    for name, fn in cases:
-        try:
-            fn()
-            out.append((name, None))
-        except Exception as exc:  # noqa: BLE001 - every failure is reported per case
-            out.append((name, _error(exc)))
-    return out
-
-
-def _assert_cases(label, per_rank):
-    """Fail with 'label: n of m cases pass' and one line per failing case (first rank's text)."""
-    names = [name for name, _ in per_rank[0]]
-    failed = []
-    for i, name in enumerate(names):
-        errs = {r: res[i][1] for r, res in enumerate(per_rank) if res[i][1] is not None}
-        if errs:
-            r = min(errs)
-            failed.append(f"  {name}: rank {r} (of ranks {sorted(errs)}): {errs[r]}")
-    msg = f"{label}: {len(names) - len(failed)} of {len(names)} cases pass"
-    if failed:
-        pytest.fail("\n".join([msg, *failed]), pytrace=False)
-
-
-def _check(cond, what):
-    if not cond:
-        raise AssertionError(what)
 
 
 def _units_rng42(N: int, k: int):
@@ -126,7 +83,7 @@ def _assert_ragged_1d(rank, dt, local_units, expected_tensor):
     local_length = expected_tensor.numel() // sum(local_units) * local_units[rank]
     offset = expected_tensor.numel() // sum(local_units) * sum(local_units[:rank])
     want = expected_tensor.reshape(-1)[offset : offset + local_length]
-    _check(
+    check(
         local_slice.shape == (local_length,) and torch.equal(local_slice.view(-1), want),
         f"rank {rank}: local shard ({local_slice.numel()} elements) is not elements "
         f"[{offset}, {offset + local_length}) of the tensor",
@@ -151,24 +108,24 @@ def _ragged_to_replicate(mesh):
             dtensor = veragged.distribute_tensor(expected_tensor, mesh, shard_spec)
             with comm_mode:
                 reshard_dtensor = dtensor.redistribute(mesh, [Replicate()])
-            _check(reshard_dtensor.size() == torch.Size(input_size),
+            check(reshard_dtensor.size() == torch.Size(input_size),
                    f"size {tuple(reshard_dtensor.size())}")
-            _check(torch.equal(expected_tensor, reshard_dtensor.to_local()),
+            check(torch.equal(expected_tensor, reshard_dtensor.to_local()),
                    "replicated local tensor != the tensor")
             grad_output = torch.ones_like(reshard_dtensor)
             with comm_mode:
                 reshard_dtensor.backward(grad_output)
             grad_input = dtensor.grad
-            _check(grad_input is not None, "dtensor.grad is None")
-            _check(tuple(grad_input.placements) == tuple(shard_spec),
+            check(grad_input is not None, "dtensor.grad is None")
+            check(tuple(grad_input.placements) == tuple(shard_spec),
                    f"grad placements {grad_input.placements}")
-            _check(torch.equal(grad_input.to_local(), torch.ones(dtensor.to_local().size())),
+            check(torch.equal(grad_input.to_local(), torch.ones(dtensor.to_local().size())),
                    "grad local tensor is not all ones")
-            _check(comm_mode.get_total_counts() == 0,
+            check(comm_mode.get_total_counts() == 0,
                    f"backward ran {comm_mode.get_total_counts()} collectives, want 0")
 
         cases.append((f"{input_size}", case))
-    return _run_cases(cases)
+    return run_cases(cases)
 
 
 def _ragged_to_shard(mesh):
@@ -193,13 +150,13 @@ def _ragged_to_shard(mesh):
                     src_dtensor = veragged.distribute_tensor(expected_tensor, mesh, src_shard_spec)
                     dst_dtensor = src_dtensor.redistribute(mesh, dst_shard_spec)
                     golden = veragged.distribute_tensor(expected_tensor, mesh, dst_shard_spec)
-                    _check(dst_dtensor.shape == golden.shape, f"shape {tuple(dst_dtensor.shape)}")
-                    _check(torch.equal(dst_dtensor._local_tensor, golden._local_tensor),
+                    check(dst_dtensor.shape == golden.shape, f"shape {tuple(dst_dtensor.shape)}")
+                    check(torch.equal(dst_dtensor._local_tensor, golden._local_tensor),
                            "local tensor != distribute_tensor(tensor, Shard) local tensor")
 
                 name = (f"rep {rep} {list(input_size)} RaggedShard({src_dims}, "
                         f"{tuple(int(u) for u in src_local_units)}) -> Shard({dst_shard_dim})")
-                out.extend(_run_cases([(name, case)]))
+                out.extend(run_cases([(name, case)]))
     return out
 
 
@@ -235,7 +192,7 @@ def _ragged_to_ragged(mesh):
                 name = (f"rep {rep} {list(input_size)} RaggedShard({src_dims}, "
                         f"{tuple(int(u) for u in src_local_units)}) -> RaggedShard({dst_dims}, "
                         f"{tuple(int(u) for u in dst_local_units)})")
-                out.extend(_run_cases([(name, case)]))
+                out.extend(run_cases([(name, case)]))
     return out
 
 
@@ -244,12 +201,12 @@ def _ragged_shard0_2d(global_tensor, device_mesh, ragged_dim, shard_dim):
     piece over `other`, assembled as a 2-D DTensor by hand, then full_tensor()."""
     dt_shard = veragged.distribute_tensor(global_tensor, device_mesh["other"], [Shard(shard_dim)])
     shard_tensor = dt_shard._local_tensor
-    _check(shard_tensor.ndim == global_tensor.ndim, "Shard local tensor lost dims")
+    check(shard_tensor.ndim == global_tensor.ndim, "Shard local tensor lost dims")
     ragged_dims = tuple(range(ragged_dim + 1))
     ragged_lst = _units_muon(
         math.prod(shard_tensor.shape[: ragged_dim + 1]), device_mesh["ragged"].size()
     )
-    _check(sum(ragged_lst) != 0, f"ragged_lst: {ragged_lst}")
+    check(sum(ragged_lst) != 0, f"ragged_lst: {ragged_lst}")
 
     def run():
         dt_2d = veragged.distribute_tensor(
@@ -272,8 +229,8 @@ def _ragged_shard0_2d(global_tensor, device_mesh, ragged_dim, shard_dim):
         rank = device_mesh["ragged"].get_coordinate()[0]
         _assert_ragged_1d(rank, dt_2d, ragged_lst, shard_tensor)
         full_tensor = dt_2d.full_tensor()
-        _check(full_tensor.shape == global_tensor.shape, f"full shape {tuple(full_tensor.shape)}")
-        _check(torch.equal(full_tensor, global_tensor), "full_tensor() != the tensor")
+        check(full_tensor.shape == global_tensor.shape, f"full shape {tuple(full_tensor.shape)}")
+        check(torch.equal(full_tensor, global_tensor), "full_tensor() != the tensor")
 
     kind = "StridedRaggedShard" if shard_dim == 0 else "RaggedShard"
     return (f"{kind}({ragged_dims}, {tuple(int(u) for u in ragged_lst)}), Shard({shard_dim})", run)
@@ -302,10 +259,10 @@ def _ragged_shard_2d():
                         )
                     except Exception as exc:  # noqa: BLE001
                         out.append((f"{mesh_size} rep {rep} {list(input_size)} setup",
-                                    _error(exc)))
+                                    error(exc)))
                         continue
                     out.extend(
-                        _run_cases([(f"mesh {mesh_size} rep {rep} {list(input_size)} {name}", run)])
+                        run_cases([(f"mesh {mesh_size} rep {rep} {list(input_size)} {name}", run)])
                     )
     return out
 
@@ -322,27 +279,26 @@ def _ranks():
 
 @pytest.fixture(scope="module")
 def results():
-    per_rank = run_on_ranks(_ranks, WORLD, timeout=240)
-    return {k: [r[k] for r in per_rank] for k in per_rank[0]}
+    return run_groups(_ranks, WORLD, timeout=240)
 
 
 # veScale: RedistributeTest.test_ragged_to_replicate_forward_backward
 def test_ragged_to_replicate_forward_backward(results):
-    _assert_cases(
+    assert_cases(
         "ragged -> replicate fwd/bwd", results["test_ragged_to_replicate_forward_backward"]
     )
 
 
 # veScale: RedistributeTest.test_ragged_to_shard_forward
 def test_ragged_to_shard_forward(results):
-    _assert_cases("ragged -> shard", results["test_ragged_to_shard_forward"])
+    assert_cases("ragged -> shard", results["test_ragged_to_shard_forward"])
 
 
 # veScale: RedistributeTest.test_ragged_to_ragged_forward
 def test_ragged_to_ragged_forward(results):
-    _assert_cases("ragged -> ragged", results["test_ragged_to_ragged_forward"])
+    assert_cases("ragged -> ragged", results["test_ragged_to_ragged_forward"])
 
 
 # veScale: RedistributeTest.test_ragged_shard_2d
 def test_ragged_shard_2d(results):
-    _assert_cases("ragged shard 2d", results["test_ragged_shard_2d"])
+    assert_cases("ragged shard 2d", results["test_ragged_shard_2d"])
