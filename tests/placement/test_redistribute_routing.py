@@ -54,6 +54,9 @@ def _one_dim():
     f = veragged.DTensor.from_local(local, mesh, [Shard(0)])
     (f.redistribute(mesh, ragged).to_local() * 3).sum().backward()
     leaf = veragged.distribute_tensor(t.clone().requires_grad_(), mesh, [Shard(0)])
+    param = torch.nn.Parameter(veragged.distribute_tensor(t, mesh, [Shard(0)]))
+    out["parameter"] = (type(param) is RoutedDTensor and isinstance(param, torch.nn.Parameter)
+                        and type(param.detach()) is RoutedDTensor and param.requires_grad)
     out["autograd"] = (type(f) is RoutedDTensor and torch.equal(local.grad, torch.full((4, 2), 3.0))
                        and leaf.is_leaf and leaf.requires_grad)
     return out

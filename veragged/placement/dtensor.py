@@ -302,6 +302,12 @@ class RoutedDTensor(DTensor):
         return super().redistribute(device_mesh, placements, async_op=async_op,
                                     forward_dtype=forward_dtype, backward_dtype=backward_dtype)
 
+    def detach(self) -> "RoutedDTensor":
+        # `nn.Parameter(x)` requires `x.detach()` to keep the type; torch's dispatch returns a
+        # plain DTensor.
+        out = super().detach()
+        return RoutedDTensor(out._local_tensor, out._spec, requires_grad=False)
+
 
 class _Route(torch.autograd.Function):
     """A torch DTensor as a RoutedDTensor over the same local tensor, in the autograd graph."""
