@@ -117,24 +117,19 @@ def _wanted(keys) -> dict[str, torch.Tensor]:
     return {k: _full(k) for k in keys}
 
 
-# Meshes are made once per pool rank and shape: each costs process groups.
-_MESHES: dict = {}
-
-
 def _mesh(shape: tuple[int, ...]) -> tuple[DeviceMesh, object]:
     """A (dp, tp) or (rep, dp, tp) mesh and the process group DCP runs on.
 
-    (1, 2) is a mesh of ranks 0 and 1 only (ranks outside it get None back).
+    (1, 2) is a mesh of ranks 0 and 1 only (ranks outside it get None back). Made per job: the
+    pool destroys a job's process groups when it ends.
     """
-    if shape not in _MESHES:
-        names = ("rep", "dp", "tp")[-len(shape):]
-        if math.prod(shape) == dist.get_world_size():
-            _MESHES[shape] = (init_device_mesh("cpu", shape, mesh_dim_names=names), None)
-        else:  # every rank joins the process groups' creation; only members use them
-            ranks = list(range(math.prod(shape)))
-            mesh = DeviceMesh("cpu", torch.arange(len(ranks)).view(shape), mesh_dim_names=names)
-            _MESHES[shape] = (mesh, dist.new_group(ranks))
-    mesh, group = _MESHES[shape]
+    names = ("rep", "dp", "tp")[-len(shape):]
+    if math.prod(shape) == dist.get_world_size():
+        mesh, group = init_device_mesh("cpu", shape, mesh_dim_names=names), None
+    else:  # every rank joins the process groups' creation; only members use them
+        ranks = list(range(math.prod(shape)))
+        mesh = DeviceMesh("cpu", torch.arange(len(ranks)).view(shape), mesh_dim_names=names)
+        group = dist.new_group(ranks)
     if mesh.get_coordinate() is None:
         return None, None
     return mesh, group

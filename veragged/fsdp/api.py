@@ -246,11 +246,19 @@ _POST_FORWARD_GROUPS: dict[tuple, dist.ProcessGroup] = {}
 
 def _post_forward_group(mesh: DeviceMesh, k: int) -> dist.ProcessGroup:
     """This rank's group of k consecutive ranks of the shard dim (of each replica with HSDP),
-    as torch's `mesh.view(-1, k)`; made once per (mesh, k) by every rank together."""
+    as torch's `mesh.view(-1, k)`; made once per (mesh, k) by every rank together (again if
+    the cached one was destroyed since: every rank sees the same destroyed groups)."""
     key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), k)
-    if key not in _POST_FORWARD_GROUPS:
-        _POST_FORWARD_GROUPS[key] = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, k)).get_group(1)
-    return _POST_FORWARD_GROUPS[key]
+    group = _POST_FORWARD_GROUPS.get(key)
+    if group is not None:
+        try:
+            dist.get_process_group_ranks(group)
+        except (ValueError, RuntimeError, KeyError):  # destroyed (destroy_process_group)
+            group = None
+    if group is None:
+        group = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, k)).get_group(1)
+        _POST_FORWARD_GROUPS[key] = group
+    return group
 
 
 def _default_mesh() -> DeviceMesh:

@@ -148,7 +148,8 @@ class RankPool:
                 conn.send_bytes(b"")  # asks the worker to leave its loop
         end = time.monotonic() + 2.0
         for proc in self._procs:
-            proc.join(max(0.0, end - time.monotonic()))
+            if proc.pid is not None:  # started (a failed start leaves later ranks unstarted)
+                proc.join(max(0.0, end - time.monotonic()))
         _shutdown(self._procs)
         for conn in [*self._jobs, *self._reports]:
             conn.close()
@@ -169,6 +170,42 @@ def shutdown_pools() -> None:
     """Shut every cached pool down."""
     for pool in _POOLS.values():
         pool.shutdown()
+
+
+def _release_job_groups() -> None:
+    """Destroy the process groups a job created (its meshes' groups) and drop what holds them.
+
+    Every gloo process group owns a transport thread that wakes up every 10 ms even when idle.
+    Ranks that kept the groups of every job's meshes ended up with hundreds of threads each and
+    spent a fifth of a core apiece on those wake-ups, which slowed every other test on a 2-core
+    machine. A group's threads stop only once nothing references it, so the caches that hold
+    meshes or specs are emptied too: torch's sharding propagation caches (they match meshes by
+    value, so a later job's equal mesh would get a spec on this job's destroyed groups) and
+    veragged's spec and mesh caches. Jobs must not keep meshes from one job to the next.
+    """
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import GroupMember, _world
+    from torch.distributed.tensor import DTensor
+
+    from veragged.dbuffer import spmd
+    from veragged.optim import pieces
+    from veragged.placement import dtensor, norms
+
+    for pg in list(_world.pg_map):
+        if pg is not GroupMember.WORLD:
+            dist.destroy_process_group(pg)
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:  # the C++ dispatch fast path's cache (newer torch)
+        native()
+    for cache in (spmd._MESHES, pieces._GROUPS, dtensor._SPECS, norms._NORM_SPECS):
+        cache.clear()
+    gc.collect()
 
 
 def _worker_main(rank: int, config: tuple, jobs, reports) -> None:
@@ -206,6 +243,8 @@ def _worker_main(rank: int, config: tuple, jobs, reports) -> None:
             fn, args, kwargs = pickle.loads(job)
             result = fn(*args, **kwargs)
             dist.barrier()  # no rank moves on while a peer is still in this job
+            del fn, args, kwargs
+            _release_job_groups()
             report = pickle.dumps(("ok", result))
         except BaseException:
             report = pickle.dumps(("error", traceback.format_exc()))
