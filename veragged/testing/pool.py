@@ -5,7 +5,9 @@ costs seconds per test (interpreter start, `import torch`, rendezvous). A `RankP
 once: its `world_size` processes initialise `torch.distributed` (gloo, FileStore rendezvous in a
 temporary directory, one intra-op thread) and then run jobs `(fn, args, kwargs)` sent by the
 parent. After each job every rank calls `dist.barrier()` (so that no rank starts the next job
-while a peer is still inside the previous one) and `torch.manual_seed(0)`.
+while a peer is still inside the previous one), destroys the process groups the job created
+(`_release_job_groups`: idle gloo groups cost CPU) and calls `torch.manual_seed(0)`. A job must
+therefore not keep meshes or groups for the next one.
 
 Any failure (a rank raising, dying, or not finishing in time) raises `MultiRankError` with every
 failed rank's report and tears the pool down: the ranks' collectives may be out of step, so the
@@ -25,6 +27,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -46,6 +49,9 @@ __all__ = ["RankPool", "get_pool", "shutdown_pools"]
 
 _STACK_FILE = None  # kept open in workers: faulthandler writes to its file descriptor
 _POOLS: dict[int, "RankPool"] = {}
+# A rank with more threads than this after a job (a fresh one has ~10; each live gloo group adds
+# a few, see `_release_job_groups`) is restarted with its pool before the next job.
+_RECYCLE_THREADS = 64
 
 
 class RankPool:
@@ -96,7 +102,13 @@ class RankPool:
             if not isinstance(exc, MultiRankError):
                 self.shutdown()
             raise
-        return self._results
+        results = [result for result, _ in self._results]
+        threads = max(n for _, n in self._results)
+        if os.environ.get("VERAGGED_POOL_DEBUG"):
+            print(f"[pool] {label}: {threads} threads after the job", file=sys.stderr)
+        if threads > _RECYCLE_THREADS:  # something still holds this job's groups: start afresh
+            self.shutdown()
+        return results
 
     def _start(self) -> None:
         try:
@@ -172,7 +184,7 @@ def shutdown_pools() -> None:
         pool.shutdown()
 
 
-def _release_job_groups() -> None:
+def _release_job_groups() -> int:
     """Destroy the process groups a job created (its meshes' groups) and drop what holds them.
 
     Every gloo process group owns a transport thread that wakes up every 10 ms even when idle.
@@ -181,7 +193,9 @@ def _release_job_groups() -> None:
     machine. A group's threads stop only once nothing references it, so the caches that hold
     meshes or specs are emptied too: torch's sharding propagation caches (they match meshes by
     value, so a later job's equal mesh would get a spec on this job's destroyed groups) and
-    veragged's spec and mesh caches. Jobs must not keep meshes from one job to the next.
+    veragged's spec and mesh caches. Jobs must not keep meshes from one job to the next; where
+    something still does, the threads stay, and the parent restarts the pool once a rank has
+    more than `_RECYCLE_THREADS`. Returns this rank's thread count (0 where /proc is missing).
     """
     import gc
 
@@ -206,6 +220,8 @@ def _release_job_groups() -> None:
     for cache in (spmd._MESHES, pieces._GROUPS, dtensor._SPECS, norms._NORM_SPECS):
         cache.clear()
     gc.collect()
+    tasks = f"/proc/{os.getpid()}/task"
+    return len(os.listdir(tasks)) if os.path.isdir(tasks) else 0
 
 
 def _worker_main(rank: int, config: tuple, jobs, reports) -> None:
@@ -244,8 +260,7 @@ def _worker_main(rank: int, config: tuple, jobs, reports) -> None:
             result = fn(*args, **kwargs)
             dist.barrier()  # no rank moves on while a peer is still in this job
             del fn, args, kwargs
-            _release_job_groups()
-            report = pickle.dumps(("ok", result))
+            report = pickle.dumps(("ok", (result, _release_job_groups())))
         except BaseException:
             report = pickle.dumps(("error", traceback.format_exc()))
         torch.manual_seed(0)
