@@ -94,17 +94,19 @@ def _make_optimizer(name, model, owners):
 
 
 def _worker(name, mode, dim, layers, warmup, steps):
+    from torch.distributed.device_mesh import init_device_mesh
+
     import veragged
-    from veragged.testing import get_mesh
     from veragged.testing.grads import set_grads
     from veragged.testing.llama import Llama, LlamaConfig
 
     cfg = LlamaConfig(vocab=256, dim=dim, layers=layers, heads=4, hidden=int(8 * dim / 3))
     torch.manual_seed(0)
     model = Llama(cfg)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.blocks:
-        veragged.fully_shard(block, mesh=get_mesh())
-    veragged.fully_shard(model, mesh=get_mesh())
+        veragged.fully_shard(block, mesh=mesh)
+    veragged.fully_shard(model, mesh=mesh)
     opt = _make_optimizer(name, model, MODES[mode])
     # Time inside the owner compute (the matrix work), per step, on this rank.
     computing = [0.0]
@@ -143,15 +145,18 @@ def _worker(name, mode, dim, layers, warmup, steps):
 
 
 def step_times(dim, layers, step_counts):
-    from veragged.testing import run_on_ranks
+    """Every optimizer and mode on one pool of WORLD ranks (started once; each run builds its
+    own model and optimizer)."""
+    from veragged.testing.pool import get_pool
 
+    pool = get_pool(WORLD)
     rows = {}
     for name in OPTIMIZERS:
         warmup, steps = step_counts[name]
         rows[name] = {}
         for mode in MODES:
-            rows[name][mode] = run_on_ranks(
-                _worker, WORLD, args=(name, mode, dim, layers, warmup, steps), timeout=1800
+            rows[name][mode] = pool.run(
+                _worker, name, mode, dim, layers, warmup, steps, timeout=1800
             )[0]
             rows[name][mode].update(warmup=warmup, steps=steps)
         base = rows[name]["SC"]["step_s"]

@@ -22,7 +22,7 @@ from veragged.testing.grads import set_grads
 from veragged.testing.llama import Llama, LlamaConfig, muon_param_groups
 
 LONG = os.environ.get("VERAGGED_STRESS", "0") == "1"
-STEPS, SAMPLE = (1000, 100) if LONG else (24, 8)
+STEPS, SAMPLE = (1000, 100) if LONG else (12, 4)  # 12: every pattern three times
 CFG = LlamaConfig(vocab=64, dim=64, layers=2, heads=4, hidden=128, max_seq=9)
 # dim 64: every matrix has >= 4096 elements in 256-element blocks, so AdamW8bit quantises them all
 PATTERNS = ("all", "some", "none", "mixed")
