@@ -208,8 +208,13 @@ def _release_job_groups() -> int:
     from veragged.optim import pieces
     from veragged.placement import dtensor, norms
 
+    # Kept: the optimizers' groups per rank set (pieces._GROUPS, made once and reused by any
+    # later mesh). They are made with use_local_synchronization, whose names are hashes of the
+    # ranks: torch 2.11 gives a re-created one the destroyed one's name, and so its stale
+    # rendezvous keys in the store (its ranks then connect to closed ports).
+    kept = {id(pg) for pg in pieces._GROUPS.values()}
     for pg in list(_world.pg_map):
-        if pg is not GroupMember.WORLD:
+        if pg is not GroupMember.WORLD and id(pg) not in kept:
             dist.destroy_process_group(pg)
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
@@ -217,7 +222,7 @@ def _release_job_groups() -> int:
     native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if native is not None:  # the C++ dispatch fast path's cache (newer torch)
         native()
-    for cache in (spmd._MESHES, pieces._GROUPS, dtensor._SPECS, norms._NORM_SPECS):
+    for cache in (spmd._MESHES, dtensor._SPECS, norms._NORM_SPECS):
         cache.clear()
     gc.collect()
     tasks = f"/proc/{os.getpid()}/task"
