@@ -22,6 +22,7 @@ from veragged.dbuffer.spmd import SpmdParam, spmd_param, tp_block_size
 from veragged.fsdp.group import ParamGroup
 from veragged.fsdp.state import FSDPState
 from veragged.fsdp.state_dict import register_state_dict_hooks
+from veragged.placement.collectives import alive
 from veragged.placement.dtensor import RaggedDTensor
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
@@ -250,12 +251,7 @@ def _post_forward_group(mesh: DeviceMesh, k: int) -> dist.ProcessGroup:
     the cached one was destroyed since: every rank sees the same destroyed groups)."""
     key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), k)
     group = _POST_FORWARD_GROUPS.get(key)
-    if group is not None:
-        try:
-            dist.get_process_group_ranks(group)
-        except (ValueError, RuntimeError, KeyError):  # destroyed (destroy_process_group)
-            group = None
-    if group is None:
+    if group is None or not alive(group):
         group = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, k)).get_group(1)
         _POST_FORWARD_GROUPS[key] = group
     return group

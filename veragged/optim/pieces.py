@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
+from veragged.placement.collectives import alive
 from veragged.placement.ragged_shard import RaggedShard
 
 __all__ = ["MatrixLayout", "check_placements", "domain_group", "matrix_layout", "shard_blocks"]
@@ -171,12 +172,7 @@ def domain_group(mesh, dims: Sequence[int]) -> tuple[dist.ProcessGroup, list[tup
     order = np.argsort(ranks, kind="stable")
     key = tuple(ranks[order].tolist())
     group = _GROUPS.get(key)
-    if group is not None:
-        try:
-            dist.get_rank(group)
-        except (ValueError, RuntimeError, KeyError):  # the process group was destroyed
-            group = None
-    if group is None:
+    if group is None or not alive(group):
         group = dist.new_group(list(key), use_local_synchronization=True)
         _GROUPS[key] = group
     return group, [tuple(c) for c in coords[order].tolist()]

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 __all__ = [
     "Pending",
+    "alive",
     "all_gather",
     "all_to_all",
     "done",
@@ -42,6 +43,16 @@ __all__ = [
     "shard0_bounds",
     "slice_local",
 ]
+
+
+def alive(group: dist.ProcessGroup) -> bool:
+    """Whether `group` is still registered, i.e. not destroyed by `destroy_process_group` since
+    it was made (for caches of process groups: a destroyed one must be made again)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (ValueError, RuntimeError, KeyError):
+        return False
+    return True
 
 
 class Pending:
