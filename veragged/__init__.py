@@ -19,6 +19,12 @@ from veragged.placement import (
     redistribute,
 )
 from veragged.planner import Layout, plan
+from veragged.checkpoint.torch_entry_points import (
+    TorchEntryPointRouting,
+    route_torch_entry_points,
+    torch_entry_points_routed,
+    unroute_torch_entry_points,
+)
 
 # `veragged.DTensor.from_local(...)` reads like torch's and also accepts RaggedShard placements.
 DTensor = RaggedDTensor
@@ -39,6 +45,10 @@ __all__ = [
     "local_numel_and_offset",
     "plan",
     "redistribute",
+    "route_torch_entry_points",
+    "torch_entry_points_routed",
+    "TorchEntryPointRouting",
+    "unroute_torch_entry_points",
 ]
 __version__ = "0.1.0"
 from veragged import optim  # noqa: E402  (veragged.optim.Muon, veragged.optim.AdamW8bit)

@@ -20,7 +20,10 @@ from torch.distributed.tensor import DTensor
 
 from veragged.placement import RaggedDTensor, distribute_tensor
 
-__all__ = ["distribute_ragged", "first_ragged", "like_index", "mesh_device", "receive_from_rank0"]
+__all__ = [
+    "distribute_ragged", "first_ragged", "like_index", "mesh_device", "receive_from_rank0",
+    "shard_like",
+]
 
 @dataclass(frozen=True)
 class _TensorSpec:
@@ -80,7 +83,7 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def _shard_like(full: torch.Tensor, like: Any, path: tuple, src_data_rank: int | None) -> Any:
+def shard_like(full: torch.Tensor, like: Any, path: tuple, src_data_rank: int | None) -> Any:
     """`full` as a DTensor placed like `like` (when `like` is one) that holds only this rank's
     piece, copied out of `full` so that `full` can be freed."""
     if not isinstance(like, DTensor):
@@ -113,7 +116,7 @@ def distribute_ragged(tree: Any, like: dict[str, Any]) -> Any:
         target = like.get(_name(path))
         plain = torch.is_tensor(leaf) and not isinstance(leaf, DTensor)
         if plain and isinstance(target, RaggedDTensor):
-            return _shard_like(leaf.detach(), target, path, src_data_rank=0)
+            return shard_like(leaf.detach(), target, path, src_data_rank=0)
         return leaf
 
     return _map(tree, place)
@@ -182,6 +185,6 @@ def receive_from_rank0(tree: Any, like: dict[str, Any], device: torch.device) ->
             full = leaf
         else:
             return leaf
-        return _shard_like(full, like.get(_name(path)), path, src_data_rank=None)
+        return shard_like(full, like.get(_name(path)), path, src_data_rank=None)
 
     return _map(skeleton, fill)
