@@ -17,8 +17,13 @@ import contextlib
 import copy
 import dataclasses
 import importlib
+import inspect
+import logging
+import shutil
 import sys
+import tempfile
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -39,7 +44,7 @@ from veragged.testing.pool import get_pool
 
 TIMEOUT_S = 120
 IMPLS = {"torch": torch_fully_shard, "veragged": veragged.fully_shard}
-STEPS = 3
+STEPS = 2
 FULL = StateDictOptions(full_state_dict=True)
 FULL_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -194,13 +199,11 @@ def _scenario(impl: str, layout: str, mode: str, meta: bool, routed: bool) -> di
             **_train(model, optim, dp_index)}
 
 
-def _both(layout: str, mode: str, meta: bool) -> list[dict]:
-    """torch's fully_shard without and with the routing, veragged's with it, in one job."""
-    out = {}
-    for impl, routed in (("torch", False), ("torch", True), ("veragged", True)):
-        out[(impl, routed)] = _scenario(impl, layout, mode, meta, routed)
-        dist.barrier()
-    return out
+def _both(layout: str, mode: str, meta: bool, torch_routed: bool) -> dict:
+    """torch's fully_shard without the routing (and with it if `torch_routed`), veragged's with
+    it, in one job."""
+    runs = [("torch", False), ("veragged", True)] + [("torch", True)] * torch_routed
+    return {(impl, routed): _scenario(impl, layout, mode, meta, routed) for impl, routed in runs}
 
 
 def _assert_same(a, b, what):
@@ -212,34 +215,33 @@ def _assert_same(a, b, what):
             assert a[k] == b[k], (what, k, a[k], b[k])
 
 
-SCENARIOS = [  # layout, mode, meta
-    ("1d", "every_rank", False),
-    ("1d", "broadcast", False),
-    ("1d", "broadcast_offload", True),
-    ("1d", "set_state_dict", False),
-    ("1d", "distribute", True),
-    ("hsdp", "every_rank", True),
-    ("hsdp", "broadcast", False),
-    ("hsdp", "distribute", True),
-    ("tp", "every_rank", False),
-    ("tp", "broadcast", True),
-    ("tp", "distribute", True),
+SCENARIOS = [  # layout, mode, meta, also run torch's side under the routing
+    ("1d", "every_rank", False, True),
+    ("1d", "broadcast", False, True),
+    ("1d", "broadcast_offload", True, False),
+    ("1d", "set_state_dict", False, False),
+    ("1d", "distribute", True, True),
+    ("hsdp", "every_rank", True, False),
+    ("hsdp", "broadcast", False, True),
+    ("hsdp", "distribute", True, False),
+    ("tp", "every_rank", False, False),
+    ("tp", "broadcast", True, True),
+    ("tp", "distribute", True, False),
 ]
 
 
-@pytest.mark.parametrize("layout,mode,meta", SCENARIOS)
-def test_torch_entry_points_load_like_torch(layout, mode, meta):
+@pytest.mark.parametrize("layout,mode,meta,torch_routed", SCENARIOS)
+def test_torch_entry_points_load_like_torch(layout, mode, meta, torch_routed):
     world = 2 if layout == "1d" else 4
-    results = get_pool(world).run(_both, layout, mode, meta, timeout=TIMEOUT_S)
+    results = get_pool(world).run(_both, layout, mode, meta, torch_routed, timeout=TIMEOUT_S)
     full = _full_model_sd(layout)
     for rank, res in enumerate(results):
-        ref, ref_routed, got = (res[("torch", False)], res[("torch", True)],
-                                res[("veragged", True)])
+        ref, got = res[("torch", False)], res[("veragged", True)]
         for k in ("loaded", "osd_loaded", "losses", "params", "msd", "osd"):
-            _assert_same(ref_routed[k] if k != "losses" else {"l": ref_routed[k]},
-                         ref[k] if k != "losses" else {"l": ref[k]}, f"torch routed: {k}")
-            _assert_same(got[k] if k != "losses" else {"l": got[k]},
-                         ref[k] if k != "losses" else {"l": ref[k]}, f"veragged: {k}")
+            wrap = (lambda d: {"l": d}) if k == "losses" else (lambda d: d)
+            _assert_same(wrap(got[k]), wrap(ref[k]), f"veragged: {k}")
+            if torch_routed:  # the routing leaves torch's own placements to torch
+                _assert_same(wrap(res[("torch", True)][k]), wrap(ref[k]), f"torch routed: {k}")
         _assert_same(got["loaded"], full, "loaded = the full state dict")
         assert (got["msd"] == {}) == (rank != 0)
         for name, (kind, device, placements) in got["kinds"].items():
@@ -318,3 +320,248 @@ def test_veragged_optimizers_round_trip_through_torch_setters(name, layout, broa
         _assert_same(res["osd_b"], res["osd_a"], "loaded optimizer state")
         for k in ("loss", "params", "osd"):
             _assert_same(res[False][k], res[True][k], f"B vs A after one more step: {k}")
+
+
+# ---- accelerate's FSDP2 full-state-dict paths, called as accelerate calls them -------------------
+
+
+def _accelerate_stand_ins():
+    """accelerate's FSDP2 plugin and Accelerator as far as its fsdp_utils read them (a real
+    Accelerator on CPU falls back to DDP: tests/clients has the end-to-end runs)."""
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        StateDictType,
+    )
+
+    plugin = types.SimpleNamespace(
+        fsdp_version=2, state_dict_type=StateDictType.FULL_STATE_DICT,
+        state_dict_config=FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
+        optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    accelerator = types.SimpleNamespace(
+        process_index=rank, num_processes=world, is_main_process=rank == 0, is_fsdp2=True,
+        wait_for_everyone=dist.barrier)
+    return plugin, accelerator
+
+
+def _accelerate(impl: str, routed: bool) -> dict:
+    """accelerate's FULL_STATE_DICT `save_fsdp_model`/`save_fsdp_optimizer` of a trained A, then
+    its `load_fsdp_model`/`load_fsdp_optimizer` (torch's setters with broadcast_from_rank0) into
+    a fresh B and its `fsdp2_load_full_state_dict` (cpu_ram_efficient_loading: torch's
+    `distribute_tensor` on rank 0's broadcast tensors) into a meta model C; then one step on
+    each."""
+    fsdp_utils = importlib.import_module("accelerate.utils.fsdp_utils")
+    # accelerate's logger insists on its process state (PartialState); a plain one stands in
+    with mock.patch.object(fsdp_utils, "logger", logging.getLogger(__name__)):
+        return _accelerate_run(fsdp_utils, impl, routed)
+
+
+def _accelerate_run(fsdp_utils, impl: str, routed: bool) -> dict:
+    plugin, accelerator = _accelerate_stand_ins()
+    box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    folder = box[0]
+    a, dp_index = _build(impl, "1d", meta=False, seed=0)
+    opt_a = _adamw(a)
+    for step in range(2):
+        a.loss(_tokens(step, dp_index)).backward()
+        opt_a.step()
+        opt_a.zero_grad()
+    fsdp_utils.save_fsdp_model(plugin, accelerator, a, folder)
+    fsdp_utils.save_fsdp_optimizer(plugin, accelerator, opt_a, a, folder)
+    b, _ = _build(impl, "1d", meta=False, seed=3)
+    opt_b = _adamw(b)
+    c, _ = _build(impl, "1d", meta=True, seed=4)
+    full = (torch.load(f"{folder}/{fsdp_utils.FSDP_MODEL_NAME}.bin", weights_only=True)
+            if dist.get_rank() == 0 else {})
+    with veragged.route_torch_entry_points() if routed else contextlib.nullcontext():
+        fsdp_utils.load_fsdp_model(plugin, accelerator, b, folder)
+        fsdp_utils.load_fsdp_optimizer(plugin, accelerator, opt_b, b, folder)
+        fsdp_utils.fsdp2_load_full_state_dict(accelerator, c, full)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder)
+    opt_c = _adamw(c)
+    out = {"kinds": {n: type(p).__name__ for n, p in c.named_parameters()}}
+    for key, model, optim in (("a", a, opt_a), ("b", b, opt_b), ("c", c, opt_c)):
+        loss = model.loss(_tokens(7, dp_index))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        out[key] = {"loss": {"l": loss.detach()},
+                    "params": {n: _full(p) for n, p in model.named_parameters()},
+                    "osd": _flat(dsd.get_optimizer_state_dict(model, optim, options=FULL))}
+    return out
+
+
+def _accelerate_both() -> dict:
+    return {impl: _accelerate(impl, routed=impl == "veragged") for impl in IMPLS}
+
+
+def test_accelerate_full_state_dict_loading():
+    pytest.importorskip("accelerate.utils.fsdp_utils")
+    for res in get_pool(2).run(_accelerate_both, timeout=TIMEOUT_S):
+        ref, got = res["torch"], res["veragged"]
+        assert set(got["kinds"].values()) == {"RaggedDTensor"}, got["kinds"]
+        for key in ("a", "b", "c"):
+            for k in ("loss", "params", "osd"):
+                _assert_same(got[key][k], ref[key][k], f"veragged vs torch, model {key}: {k}")
+        for k in ("loss", "params", "osd"):  # B resumed A exactly
+            _assert_same(got["b"][k], got["a"][k], f"B vs A: {k}")
+
+
+# ---- the opt-in itself: what it rebinds, holds, undo -------------------------------------------
+
+
+def _bindings() -> dict[str, object]:
+    import torch.distributed._state_dict_utils as sdu
+    import torch.distributed.tensor._api as api
+
+    import veragged.placement.api as vapi
+
+    return {
+        "tensor": dtensor.distribute_tensor, "_api": api.distribute_tensor,
+        "sdu": sdu.distribute_tensor, "sdu._distribute_tensors": sdu._distribute_tensors,
+        "sdu._distribute_state_dict": sdu._distribute_state_dict,
+        "dsd._distribute_state_dict": dsd._distribute_state_dict,
+        "veragged": vapi._torch_distribute_tensor,
+    }
+
+
+def test_route_rebinds_and_undoes_exactly():
+    before = _bindings()
+    assert not veragged.torch_entry_points_routed()
+    # a client that bound torch's function under another name before the opt-in ...
+    early = types.ModuleType("_veragged_test_early_client")
+    exec("from torch.distributed.tensor import distribute_tensor as dt", early.__dict__)
+    sys.modules[early.__name__] = early
+    late = types.ModuleType("_veragged_test_late_client")
+    try:
+        with veragged.route_torch_entry_points() as hold:
+            routed = _bindings()
+            # ... and one that imports it while routed
+            exec("from torch.distributed.tensor import distribute_tensor", late.__dict__)
+            sys.modules[late.__name__] = late
+            assert veragged.torch_entry_points_routed()
+            for name in before:
+                if name == "veragged":  # veragged's own binding of torch's stays torch's
+                    assert routed[name] is before[name]
+                else:
+                    assert routed[name] is not before[name], name
+                    assert routed[name].__wrapped__ is before[name], name
+            assert early.dt is routed["tensor"] and late.distribute_tensor is routed["tensor"]
+            assert inspect.signature(routed["tensor"]) == inspect.signature(before["tensor"])
+            # idempotent: a second hold wraps nothing again, and its undo keeps the first's
+            second = veragged.route_torch_entry_points()
+            assert _bindings() == routed
+            second.undo()
+            second.undo()
+            assert _bindings() == routed and veragged.torch_entry_points_routed()
+            assert isinstance(hold, veragged.TorchEntryPointRouting)
+        assert _bindings() == before and not veragged.torch_entry_points_routed()
+        assert early.dt is before["tensor"] and late.distribute_tensor is before["tensor"]
+        # a with block undoes on an exception too
+        with pytest.raises(KeyError):
+            with veragged.route_torch_entry_points():
+                raise KeyError("x")
+        assert _bindings() == before
+        # unroute_torch_entry_points: at once, whatever holds remain; stale holds then do nothing
+        stale = [veragged.route_torch_entry_points() for _ in range(2)]
+        veragged.unroute_torch_entry_points()
+        assert _bindings() == before and not veragged.torch_entry_points_routed()
+        fresh = veragged.route_torch_entry_points()
+        for h in stale:
+            h.undo()
+        assert veragged.torch_entry_points_routed()
+        fresh.undo()
+        assert _bindings() == before
+    finally:
+        veragged.unroute_torch_entry_points()
+        sys.modules.pop(early.__name__, None)
+        sys.modules.pop(late.__name__, None)
+
+
+def _direct_calls() -> dict:
+    """torch's distribute_tensor under the routing: calls without RaggedShard reach torch's with
+    the same arguments and return its result; RaggedShard calls equal veragged's; errors."""
+    import veragged.checkpoint.torch_entry_points as routing
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    mine = torch.arange(48.0).view(12, 4) + 100 * rank  # each rank's own data
+    out = {}
+    with veragged.route_torch_entry_points():
+        spy = mock.Mock(wraps=routing._TORCH_DISTRIBUTE_TENSOR)
+        with mock.patch.object(routing, "_TORCH_DISTRIBUTE_TENSOR", spy):
+            got = dtensor.distribute_tensor(mine, mesh, [Shard(1)], src_data_rank=None)
+            assert spy.call_args == mock.call(mine, mesh, [Shard(1)], src_data_rank=None)
+            copy_ = mine.clone()  # torch's Replicate broadcasts into its input
+            got2 = dtensor.distribute_tensor(copy_, mesh)
+            assert spy.call_args == mock.call(copy_, mesh)
+        assert type(got) is DTensor and type(got2) is DTensor
+        out["torch"] = (got.to_local(), got2.to_local())
+        ragged = RaggedShard((0,), (1, 2))
+        for src in (0, None):
+            leaf = mine.clone().requires_grad_(True)
+            dt = dtensor.distribute_tensor(leaf, mesh, (ragged,), src_data_rank=src)
+            ref = veragged.distribute_tensor(mine, mesh, [ragged], src_data_rank=src)
+            assert type(dt).__name__ == "RaggedDTensor" and dt.requires_grad and dt.is_leaf
+            assert torch.equal(dt.to_local(), ref.to_local())
+            out[f"ragged src={src}"] = dt.to_local().detach()
+        errors = {}
+        for name, call in {
+            "non-leaf": lambda: dtensor.distribute_tensor(
+                mine.clone().requires_grad_(True) * 2, mesh, [ragged]),
+            "shape": lambda: dtensor.distribute_tensor(torch.zeros(5, 4), mesh, [ragged]),
+        }.items():
+            try:
+                call()
+            except (RuntimeError, ValueError) as e:
+                errors[name] = (type(e).__name__, str(e))
+        out["errors"] = errors
+    return out
+
+
+def test_distribute_tensor_routes_ragged_calls_only():
+    results = get_pool(2).run(_direct_calls, timeout=TIMEOUT_S)
+    full0 = torch.arange(48.0).view(12, 4)  # rank 0's data
+    rows = {0: slice(0, 4), 1: slice(4, 12)}
+    for rank, res in enumerate(results):
+        mine = full0 + 100 * rank
+        assert torch.equal(res["torch"][0], mine[:, 2 * rank:2 * rank + 2])  # torch's Shard(1)
+        assert torch.equal(res["torch"][1], full0)  # torch's Replicate: rank 0's data
+        assert torch.equal(res["ragged src=0"], full0[rows[rank]].reshape(-1))
+        assert torch.equal(res["ragged src=None"], mine[rows[rank]].reshape(-1))
+        assert res["errors"]["non-leaf"] == (
+            "RuntimeError", "`distribute_tensor` should be used to distribute leaf tensors! but "
+            "found non-leaf tensor!")
+        kind, msg = res["errors"]["shape"]
+        assert kind == "ValueError" and "[5, 4]" in msg and "RaggedShard" in msg, msg
+
+
+def _bad_full_shape(mode: str, layout: str):
+    model, _ = _build("veragged", layout, meta=False)
+    full = _full_model_sd(layout)
+    name = "blocks.0.down.weight"
+    full[name] = torch.zeros(full[name].shape[0], full[name].shape[1] + 1)
+    broadcast = mode == "broadcast"
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+    try:
+        with veragged.route_torch_entry_points():
+            dsd.set_model_state_dict(model, full if dist.get_rank() == 0 or not broadcast else {},
+                                     options=opts)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("mode,layout", [("every_rank", "1d"), ("broadcast", "1d"),
+                                         ("broadcast", "tp")])
+def test_wrong_full_shape_raises_naming_the_parameter(mode, layout):
+    world = 2 if layout == "1d" else 4
+    for msg in get_pool(world).run(_bad_full_shape, mode, layout, timeout=TIMEOUT_S):
+        assert msg is not None
+        assert "'blocks.0.down.weight'" in msg, msg
+        down = _config(layout)
+        assert f"({down.dim}, {down.hidden + 1})" in msg and f"({down.dim}, {down.hidden})" in msg

@@ -93,9 +93,15 @@ def _distribute_ragged(
             "`distribute_tensor` should be used to distribute leaf tensors! but found non-leaf "
             "tensor!"
         )
-    return _veragged_distribute_tensor(
-        tensor, device_mesh, placements, src_data_rank=src_data_rank
-    )
+    try:
+        return _veragged_distribute_tensor(
+            tensor, device_mesh, placements, src_data_rank=src_data_rank
+        )
+    except ValueError as e:  # raised on every rank alike, before any collective
+        raise ValueError(
+            f"distribute_tensor: a tensor of shape {list(tensor.shape)} cannot take placements "
+            f"{tuple(placements)}: {e}"
+        ) from e
 
 
 def _wrap(original: Callable, body: Callable) -> Callable:
