@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from veragged.dbuffer.buffer import DBuffer
 from veragged.dbuffer.chunked import ChunkedDBuffer
-from veragged.dbuffer.spmd import SpmdParam, spmd_param, tp_block_size
+from veragged.dbuffer.spmd import spmd_param, tp_block_size
+from veragged.fsdp.dp_mesh import DpMesh, resolve_mesh, resolve_placement, split_param
 from veragged.fsdp.group import ParamGroup
 from veragged.fsdp.state import FSDPState
 from veragged.fsdp.state_dict import register_state_dict_hooks
@@ -26,6 +27,17 @@ from veragged.placement.collectives import alive
 from veragged.placement.dtensor import RaggedDTensor
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
+
+# [Note: frozen parameters]
+# A DBuffer's reduce-scatter covers the whole buffer ([Note: unreached parameters] needs every
+# rank to issue the same collective), and its gradient buffer is as large as its parameters. So
+# `fully_shard` plans the parameters that require grad and the frozen ones in DBuffers of their
+# own (per mesh and dtype): a LoRA model's backward sends and holds only the adapters, as
+# torch's FSDP2 sends only the parameters with gradients, and a DBuffer whose parameters are all
+# frozen allocates no gradient buffer and reduces nothing. The price is one more all-gather per
+# module whose parameters are mixed. `requires_grad_()` after `fully_shard` keeps the layout:
+# an unfrozen parameter in a frozen DBuffer gets its gradient through that DBuffer's (then
+# whole) reduce-scatter, a frozen one in a trainable DBuffer sends zeros.
 
 # Original parameters some fully_shard call took: a second call meeting one (a parameter tied
 # across two calls) raises instead of silently untying it.
@@ -282,15 +294,10 @@ def _check_module(module: nn.Module) -> None:
         )
 
 
-def _shard_dim(fqn, p, shard_placement_fn, world: int, info=None) -> int | None:
+def _shard_dim(fqn, p, placement: Shard | None, world: int, info=None) -> int | None:
     """The dim `shard_placement_fn` asks for (None: the default), checked as torch checks it."""
-    placement = shard_placement_fn(p) if shard_placement_fn is not None else None
     if placement is None:
         return None
-    if not isinstance(placement, Shard):
-        raise ValueError(
-            f"shard_placement_fn({fqn!r}) must return a Shard or None, got {placement!r}"
-        )
     dim = placement.dim + p.ndim if placement.dim < 0 else placement.dim
     if not 0 <= dim < p.ndim:  # torch's wording
         raise AssertionError(
@@ -324,30 +331,48 @@ def _block_size(fqn, p, granularity_fn, dim: int | None, info=None) -> int:
     return block
 
 
+def _post_forward(reshard_after_forward, dp: DpMesh) -> tuple[bool, object]:
+    """(reshard after forward?, the post-forward group for an int) for one mesh, as torch."""
+    if isinstance(reshard_after_forward, bool):
+        return reshard_after_forward, None
+    k, world = reshard_after_forward, dp.shard_world
+    if k < 1 or k > world or world % k:  # torch's wording
+        raise ValueError(
+            "If passing reshard_after_forward as an int, it should be a factor of "
+            f"{world}, not {k}"
+        )
+    return k > 1, (_post_forward_group(dp.mesh, k) if 1 < k < world else None)
+
+
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Iterable[nn.Parameter] | None = None,
+    dp_mesh_dims=None,
     granularity_fn: Callable[[str, nn.Parameter], int | None] | None = None,
 ):
     """Shard `module`'s parameters (those no inner `fully_shard` took), one DBuffer per dtype.
 
     Every argument means what it means for `torch.distributed.fsdp.fully_shard`; apply it to
     the blocks first and the root last. `module` may be a list (one group for several
-    modules). `mesh` is 1-D (FSDP) or 2-D `(replicate, shard)` (HSDP). `reshard_after_forward`:
-    True, False, or None (True except for the root). `granularity_fn(fqn, param)` gives the block
-    size in elements that no rank boundary may cut (None: element-wise); `shard_placement_fn`
-    returning `Shard(0)` keeps rows whole. The sharded parameters are RaggedShard DTensors,
-    views into their group's DBuffer; `Shard(d)` with d > 0 gives torch's equal chunks as
-    `Shard(d)` DTensors in a DBuffer of their own ([Note: chunked parameters]). Parameters that
-    are already DTensors on a tensor/expert-parallel mesh (`parallelize_module`) are sharded by
-    their local blocks over `mesh`, onto the combined mesh ([Note: FSDP over TP]). See
-    [Note: fully_shard lifecycle].
+    modules). `mesh` is 1-D (FSDP) or 2-D `(replicate, shard)` (HSDP), or with `dp_mesh_dims`
+    (torch's `DataParallelMeshDims`) the full SPMD mesh whose named dims are data-parallel
+    ([Note: data-parallel meshes]). `reshard_after_forward`: True, False, or None (True except
+    for the root), or an int. `granularity_fn(fqn, param)` gives the block size in elements
+    that no rank boundary may cut (None: element-wise); `shard_placement_fn` returning
+    `Shard(0)` keeps rows whole, and returning torch's `ShardPlacementResult` also names the
+    parameter's mesh. The sharded parameters are RaggedShard DTensors, views into their group's
+    DBuffer; `Shard(d)` with d > 0 gives torch's equal chunks as `Shard(d)` DTensors in a
+    DBuffer of their own ([Note: chunked parameters]). Parameters that are already DTensors on
+    a tensor/expert-parallel mesh (`parallelize_module`) are sharded by their local blocks over
+    `mesh`, onto the combined mesh ([Note: FSDP over TP]). Frozen parameters get DBuffers of
+    their own, so backward communicates only what requires grad ([Note: frozen parameters]).
+    See [Note: fully_shard lifecycle].
     """
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     if not modules:
@@ -355,37 +380,21 @@ def fully_shard(
     for m in modules:
         _check_module(m)
     mesh = mesh if mesh is not None else _default_mesh()
-    if not isinstance(mesh, DeviceMesh):
-        raise ValueError(f"mesh must be a DeviceMesh, got {mesh!r}")
-    if mesh.ndim not in (1, 2):  # torch's wording, as its tests and users match on it
-        raise ValueError(
-            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} (1-D: shard; 2-D: "
-            f"(replicate, shard))"
-        )
-    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise AssertionError(  # torch raises AssertionError here too
-            f"Please init the 2D mesh for HSDP with mesh_dim_names specified (got {mesh})"
-        )
-    shard_world = mesh.size(mesh.ndim - 1)
+    default = resolve_mesh(mesh, dp_mesh_dims)
     auto = reshard_after_forward is None
     if auto:
         reshard_after_forward = True
-    post_forward_group = None
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        k = reshard_after_forward
-        if k < 1 or k > shard_world or shard_world % k:  # torch's wording
-            raise ValueError(
-                "If passing reshard_after_forward as an int, it should be a factor of "
-                f"{shard_world}, not {k}"
+        if default.spmd_mesh is not None:  # torch's wording
+            raise NotImplementedError(
+                "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)"
             )
-        if k == 1:
+        if reshard_after_forward == 1:
             warnings.warn(
                 "reshard_after_forward=1 (int) means resharding parameters to world size 1, "
                 "instead of reshard_after_forward=True (bool)", stacklevel=2,
             )
-        elif k < shard_world:
-            post_forward_group = _post_forward_group(mesh, k)
-        reshard_after_forward = k > 1
+        _post_forward(reshard_after_forward, default)  # checked against the mesh now
     elif not isinstance(reshard_after_forward, bool):
         raise ValueError(
             f"reshard_after_forward must be None, a bool or an int, got {reshard_after_forward!r}"
@@ -398,7 +407,6 @@ def fully_shard(
     ignored = {id(p) for p in ignored_params or ()}
     params = _collect(modules, ignored)
     shared: list[str] = []  # tied to a parameter of an earlier call: an error at lazy init
-    spmd: dict[int, SpmdParam] = {}  # tensor/expert-parallel parameters: [Note: FSDP over TP]
     for fqn, p, _ in params:
         if isinstance(p, RaggedDTensor):
             raise ValueError(
@@ -407,43 +415,59 @@ def fully_shard(
             )
         if _MANAGED.get(id(p)) is p:
             shared.append(fqn)
-            continue
-        if isinstance(p, DTensor):
-            spmd[id(p)] = spmd_param(fqn, p, mesh)
+    params = [e for e in params if e[0] not in shared]
+    # Each parameter's mesh and placement (shard_placement_fn), then its model-parallel part:
+    # [Note: data-parallel meshes], [Note: FSDP over TP].
+    where: dict[int, tuple] = {}
+    for fqn, p, _ in params:
+        result = shard_placement_fn(p) if shard_placement_fn is not None else None
+        placement, dp = resolve_placement(fqn, result, default)
+        inner, view = split_param(fqn, p, dp)
+        info = spmd_param(fqn, inner, dp.mesh) if isinstance(inner, DTensor) else None
         if p.ndim == 0:
             raise ValueError(
                 f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor "
                 "with numel equal to 1 (or pass it in ignored_params)."
             )
-        if not (p._local_tensor if isinstance(p, DTensor) else p).is_contiguous():
+        if not (inner._local_tensor if isinstance(inner, DTensor) else inner).is_contiguous():
             # The DBuffer would hold a contiguous copy: the unsharded parameter would silently
             # lose its memory format (channels_last), so refuse as torch does.
             raise NotImplementedError(
                 f"FSDP does not support non-contiguous parameters yet: {fqn!r} has shape "
                 f"{tuple(p.shape)} and stride {p.stride()}"
             )
-    params = [e for e in params if e[0] not in shared]
+        where[id(p)] = (placement, dp, inner, view, info)
     # Every placement is checked (torch's errors) before any is refused as unsupported.
-    dims = {id(p): _shard_dim(f, p, shard_placement_fn, shard_world, spmd.get(id(p)))
+    dims = {id(p): _shard_dim(f, p, where[id(p)][0], where[id(p)][1].shard_world,
+                              where[id(p)][4])
             for f, p, _ in params}
-    # One DBuffer per dtype; parameters that shard_placement_fn cuts along a later dim (torch's
-    # equal chunks) get one of their own: [Note: chunked parameters].
-    by_kind: dict[tuple[torch.dtype, bool], list] = {}
+    # One DBuffer per mesh, dtype and requires_grad ([Note: frozen parameters]); parameters
+    # that shard_placement_fn cuts along a later dim (torch's equal chunks) get one of their
+    # own: [Note: chunked parameters].
+    by_kind: dict[tuple, list] = {}
+    meshes: dict[tuple, DpMesh] = {}
     for entry in params:
-        by_kind.setdefault((entry[1].dtype, bool(dims[id(entry[1])])), []).append(entry)
+        p = entry[1]
+        dp = where[id(p)][1]
+        meshes.setdefault(dp.key(), dp)
+        key = (dp.key(), p.dtype, bool(dims[id(p)]), p.requires_grad)
+        by_kind.setdefault(key, []).append(entry)
     groups = []
-    for (_, chunked), entries in by_kind.items():
-        tensors = [(fqn, p.detach()) for fqn, p, _ in entries]
+    for (mesh_key, _, chunked, _), entries in by_kind.items():
+        dp = meshes[mesh_key]
+        rafter, post_forward_group = _post_forward(reshard_after_forward, dp)
+        inners = [where[id(p)][2] for _, p, _ in entries]
+        tensors = [(fqn, t.detach()) for (fqn, _, _), t in zip(entries, inners)]
         policy = dict(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
                       offload=offload, pin_memory=offload and offload_policy.pin_memory)
-        infos = [spmd.get(id(p)) for _, p, _ in entries]
+        infos = [where[id(p)][4] for _, p, _ in entries]
         if chunked:
-            buffer = ChunkedDBuffer(tensors, mesh, dims=[dims[id(p)] for _, p, _ in entries],
+            buffer = ChunkedDBuffer(tensors, dp.mesh, dims=[dims[id(p)] for _, p, _ in entries],
                                     spmd=infos, **policy)
         else:
             blocks = [_block_size(f, p, granularity_fn, dims[id(p)], info)
                       for (f, p, _), info in zip(entries, infos)]
-            buffer = DBuffer(tensors, mesh, block_sizes=blocks, spmd=infos, **policy)
+            buffer = DBuffer(tensors, dp.mesh, block_sizes=blocks, spmd=infos, **policy)
         for sharded, (_, p, _) in zip(buffer.params, entries):
             with torch._C.DisableTorchFunctionSubclass():  # no ragged accumulation hooks
                 sharded.requires_grad_(p.requires_grad)
@@ -452,8 +476,9 @@ def fully_shard(
             [f for f, _, _ in entries],
             [loc for *_, loc in entries],
             buffer,
-            reshard_after_forward=reshard_after_forward,
+            reshard_after_forward=rafter,
             post_forward_group=post_forward_group,
+            views=[where[id(p)][3] for _, p, _ in entries],
         )
         group.reshard()
         groups.append(group)
@@ -475,4 +500,3 @@ def fully_shard(
             _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
         m.__class__ = _CLASS_CACHE[cls]
     return module
-

@@ -35,8 +35,12 @@ class ParamGroup:
         *,
         reshard_after_forward: bool,
         post_forward_group=None,
+        views: list | None = None,
     ):
         self.fqns = fqns
+        # per parameter, None or how it is presented on the full SPMD mesh (dp_mesh_dims):
+        # [Note: data-parallel meshes]
+        self.views = views if views is not None else [None] * len(fqns)
         self.locations = locations  # per parameter, every (module, attribute name) holding it
         self.buffer = buffer
         self.training_state = TrainingState.IDLE
@@ -61,10 +65,12 @@ class ParamGroup:
     def _make_unsharded(self) -> None:
         self.sharded = self.buffer.params
         self.unsharded = [
-            nn.Parameter(v, requires_grad=p.requires_grad)
-            for v, p in zip(self.buffer.unsharded_params, self.sharded)
+            nn.Parameter(v if view is None else view.unsharded(v), requires_grad=p.requires_grad)
+            for v, p, view in zip(self.buffer.unsharded_params, self.sharded, self.views)
         ]
         self._hooked: set[int] = set()  # unsharded parameters with the has-grad hook
+        for p in self.sharded:  # autograd never accumulates into them: no ragged hooks, so no
+            p.__dict__["_veragged_fsdp"] = True  # weak reference blocks swap_tensors
 
     # --- parameter registration --------------------------------------------------------------
 
@@ -94,6 +100,9 @@ class ParamGroup:
             if u.requires_grad != s.requires_grad:  # requires_grad_() after fully_shard
                 u.requires_grad_(s.requires_grad)
         self._register(self.unsharded)
+        for u, view in zip(self.unsharded, self.views):
+            if view is not None and view.spmd_types:
+                view.annotate(u)
 
     def reshard(self, post_forward: bool = False) -> None:
         """Register the sharded parameters again and free the unsharded buffer (after forward
@@ -117,7 +126,25 @@ class ParamGroup:
         if self.buffer.is_meta:
             device = self.buffer.home_device
             self.apply_(lambda t: torch.zeros_like(t, device=device))
-        self.buffer.load_(i, value)
+        p = self.sharded[i]
+        if value is p:  # swapped in place by a submodule's `_apply`: [Note: submodule _apply]
+            if value.dtype != self.buffer.dtype or value.device != self.buffer.device:
+                raise NotImplementedError(
+                    f"{self.fqns[i]!r} was moved to {value.dtype} on {value.device} by `.to()` "
+                    f"or a cast of a submodule, but its fully_shard group holds "
+                    f"{self.buffer.dtype} on {self.buffer.device}: cast or move the module "
+                    "fully_shard was applied to (or do it before fully_shard)"
+                )
+            fresh = self.buffer._sharded(self.buffer.entries[i], self.buffer.shard,
+                                         requires_grad=True)
+            with torch.no_grad():  # same placements: this rank's elements, no communication
+                fresh._local_tensor.view(-1).copy_(p._local_tensor.reshape(-1))
+            with torch._C.DisableTorchFunctionSubclass():
+                fresh.requires_grad_(p.requires_grad)
+            torch.utils.swap_tensors(p, fresh)
+            p.__dict__["_veragged_fsdp"] = True
+        else:
+            self.buffer.load_(i, value)
         with torch._C.DisableTorchFunctionSubclass():  # no ragged accumulation hooks
             self.sharded[i].requires_grad_(value.requires_grad)
 
@@ -147,7 +174,8 @@ class ParamGroup:
                 # backward after post-backward ran): as torch's FSDP2, it is not reduced.
                 param.grad = grad
                 return
-            self.buffer.land_grad(i, grad)
+            view = self.views[i]
+            self.buffer.land_grad(i, grad if view is None else view.local_grad(grad))
             self._has_grad[i] = True
 
         return hook

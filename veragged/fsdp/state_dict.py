@@ -13,6 +13,18 @@
   materialised on the mesh's device once every one of its parameters was assigned a value.
   Until then (`strict=False` loads in pieces) its modules keep what was assigned, as torch's do,
   and the first forward raises for the groups still on meta.
+
+[Note: submodule _apply]
+`to_empty()`, `.to()` or a cast on a plain submodule of a sharded module (torchtune's LoRA init
+calls `lora.to_empty(device)`, then initialises it) runs `nn.Module._apply` on that submodule,
+which swaps new tensors into our sharded parameters (`torch.utils.swap_tensors`; the parameter
+objects stay, their data is new and no longer a view of the DBuffer). As torch's FSDP2 resets its
+sharded parameters from what the modules hold at lazy init, the first forward (and a load
+post-hook) takes such a parameter's data into its DBuffer and makes the object a view again.
+The sharded parameters carry no weak references, so the swap can happen (`_veragged_fsdp`:
+`requires_grad_` installs no ragged accumulation hooks on them, since the DBuffer, not autograd,
+writes their gradients). A dtype or device other than the group's raises naming the parameter:
+one DBuffer holds one dtype on one device.
 """
 
 from __future__ import annotations
@@ -45,12 +57,27 @@ def _reshard(state: FSDPState) -> None:
 
 
 def _assigned(g: ParamGroup, i: int) -> torch.Tensor | None:
-    """What a load registered in place of parameter `i` of `g` (None: nothing with data)."""
+    """What a load registered in place of parameter `i` of `g` (None: nothing with data), or
+    the sharded parameter itself when a submodule's `_apply` swapped new data into it."""
+    p = g.sharded[i]
     for mod, name in g.locations[i]:
         q = mod._parameters.get(name)
-        if q is not None and q is not g.sharded[i] and q is not g.unsharded[i] and not q.is_meta:
+        if q is not None and q is not p and q is not g.unsharded[i] and not q.is_meta:
             return q
+    if not g.buffer.is_meta and not p.is_meta and not _in_buffer(g, p):
+        return p
     return None
+
+
+def _in_buffer(g: ParamGroup, p: torch.Tensor) -> bool:
+    """Whether sharded parameter `p` is still a view of its group's shard buffer (a dtype or
+    device of its own answers no on every rank, also where `p` holds no element)."""
+    if p.dtype != g.buffer.dtype or p.device != g.buffer.device:
+        return False
+    local = p._local_tensor
+    return local.numel() == 0 or (
+        local.untyped_storage().data_ptr() == g.buffer.shard.untyped_storage().data_ptr()
+    )
 
 
 def take_assigned(state: FSDPState) -> None:

@@ -77,13 +77,16 @@ def accumulate_grads_locally(dt) -> None:
     """
     if not (isinstance(dt, RaggedDTensor) and dt.is_leaf and dt.requires_grad):
         return
-    if getattr(dt, "_veragged_accumulates", False):
-        return
-    ref = weakref.ref(dt)
+    if getattr(dt, "_veragged_accumulates", False) or getattr(dt, "_veragged_fsdp", False):
+        return  # fully_shard's parameters: [Note: submodule _apply]
+    # A strong reference (a cycle through the tensor's hooks, which the garbage collector
+    # traverses), not a weak one: torch.utils.swap_tensors refuses weakly referenced tensors,
+    # and nn.Module._apply swaps every DTensor parameter ([Note: submodule _apply]).
+    cell = [dt]
 
     def add_existing(grad):
-        x = ref()
-        if x is None or x.grad is None:
+        x = cell[0]
+        if x.grad is None:
             return None
         with torch.no_grad():
             total = as_ragged(x.grad) + as_ragged(grad)
