@@ -14,7 +14,6 @@ from veragged.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-
 from veragged.checkpoint.torch_entry_points import (
     TorchEntryPointRouting,
     route_torch_entry_points,

@@ -14,7 +14,10 @@ point for other placements:
   torch's `Shard` placements and takes RaggedShard for a replica (the copy into the flat local
   shard then fails on its shape; a model on the meta device fails in `load_state_dict`).
 
-Call these instead, with the same arguments; they return what torch's return. With
+`veragged.route_torch_entry_points()` makes torch's own setters (and `distribute_tensor`) take
+RaggedShard, for callers that cannot be changed ([Note: routing torch's entry points],
+torch_entry_points.py). Or call these instead, with the same arguments; they return what torch's
+return. With
 `full_state_dict=True` on a model or optimizer holding RaggedShard DTensors:
 
 - every rank has the full state dict (no `broadcast_from_rank0`): each full tensor whose current

@@ -9,7 +9,9 @@ placement; torch's full-state-dict loaders (`set_model_state_dict`, `set_optimiz
 RaggedShard for a replica (the copy into the flat local shard then fails: "size of tensor a
 (8192) must match b (64)"). None of them asks the placement anything it could answer, so unlike
 [Note: torch's redistribute to RaggedShard] (where raising was enough) there is no narrow hook
-that can *produce* a result: torch's functions themselves must be reached.
+that can *produce* a result: torch's functions themselves must be reached. (Making RaggedShard
+a `Shard` subclass would send it down torch's Shard code paths, which read `.dim` and cut equal
+chunks: wrong data.)
 
 Two designs were weighed: (a) an explicit opt-in that routes torch's functions to veragged for
 RaggedShard placements only, and (b) veragged's functions beside torch's, each client changed
@@ -22,12 +24,14 @@ tensors with the sharded parameters' placements. So: (a), `route_torch_entry_poi
 
 What it routes, and nothing else:
 - `distribute_tensor`: every global binding of torch's function in an imported module outside
-  veragged (`torch.distributed.tensor`, `torch.distributed.tensor._api`,
-  `torch.distributed._state_dict_utils`, and any client module that did `from ... import
-  distribute_tensor`, under any name) is replaced by a wrapper; modules imported later pick the
-  wrapper up from `torch.distributed.tensor`. A call whose `placements` hold a RaggedShard goes to
-  `veragged.distribute_tensor` (after torch's leaf check); every other call goes to torch's
-  function with the same arguments, and its result is returned as is.
+  veragged (`torch.distributed.tensor`, `torch.distributed.tensor._api`, the deprecated
+  `torch.distributed._tensor` that torchtune 0.6.1 imports it from, `torch.distributed.
+  _state_dict_utils`, and any client module that did `from ... import distribute_tensor`, under
+  any name) is replaced by a wrapper; modules imported later, and accelerate, which imports it
+  inside its functions, pick the wrapper up from `torch.distributed.tensor`. A call whose
+  `placements` hold a RaggedShard goes to `veragged.distribute_tensor` (after torch's leaf
+  check); every other call goes to torch's function with the same arguments, and its result is
+  returned as is.
 - the broadcast loader's slicing, `torch.distributed._state_dict_utils._distribute_tensors`
   (called by `_broadcast_tensors` after each broadcast): keys whose current value is a
   RaggedShard DTensor get their piece from veragged (each rank slices its rows of the broadcast
@@ -191,7 +195,10 @@ def _rebind(mapping: dict[int, tuple[Callable, Callable]]) -> None:
     for name, module in list(sys.modules.items()):
         if name == "veragged" or name.startswith("veragged."):
             continue  # veragged's own modules keep torch's function where they bound it
-        namespace = getattr(module, "__dict__", None)
+        try:  # sys.modules may hold objects that are not modules
+            namespace = getattr(module, "__dict__", None)
+        except Exception:
+            continue
         if not isinstance(namespace, dict):
             continue
         for attr, value in list(namespace.items()):
