@@ -36,6 +36,17 @@ DTensor subclass; 2.11's C++ dispatch fast path skips a subclass's `__torch_disp
 - Random ops (`normal_`, `uniform_`, ..., `rand_like`) and `torch.nn.init` give bitwise the
   one-process result: [Note: random ops on RaggedShard] (random_ops.py). `new_tensor` returns a
   plain tensor, as torch's DTensor does.
+- `new_empty`/`new_zeros`/`new_ones`/`new_full`/`new_empty_strided` give what torch's DTensor
+  gives (the same layout for the same shape, else a Replicate DTensor): [Note: new_* factories
+  on RaggedShard]; `x[i]` on dim 0 is a RaggedShard view that in-place ops write through:
+  [Note: integer indexing of RaggedShard] (factories.py).
+- `copy_` into a RaggedShard DTensor also takes a plain full-size source outside
+  `implicit_replication()` (each rank keeps its part); an in-place op whose destination is not
+  the RaggedShard DTensor raises: [Note: replicated operands of ragged ops] (operands.py).
+- The same handlers serve aten ops that reach `__torch_dispatch__` without a torch function call
+  (code run under `torch._C.DisableTorchFunctionSubclass()`, the autograd engine), on torch
+  versions that call a subclass's `__torch_dispatch__` (not 2.11's fast path): random ops draw
+  the same values there, the factories and `copy_` behave the same.
 - Everything else raises NotImplementedError naming the op (so does `aten.equal` reached below
   `torch.equal`, whose result depends on every shard). Autograd does not flow through
   these ops: a differentiable op on an input that requires grad, with grad mode on, raises too.
@@ -45,15 +56,23 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial, Replicate
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
-from veragged.placement import fastpath
+from veragged.placement import factories, fastpath
 from veragged.placement.amp import AMP_FUNCTIONS, AMP_PACKETS
 from veragged.placement.layout import ragged_mesh_dim
 from veragged.placement.norms import NORM_FUNCTIONS, NORM_PACKETS
-from veragged.placement.random_ops import RANDOM_FUNCTIONS, RANDOM_PACKETS, random_op
+from veragged.placement.operands import is_ragged_dt as _is_ragged_dt
+from veragged.placement.operands import name_of as _name
+from veragged.placement.operands import unwrap as _unwrap
+from veragged.placement.operands import wrap as _wrap
+from veragged.placement.random_ops import (
+    RANDOM_FUNCTIONS,
+    RANDOM_PACKETS,
+    patched_init,
+    random_op,
+)
 from veragged.placement.reductions import REDUCTION_FUNCTIONS, REDUCTION_PACKETS
 
 __all__ = ["handle_torch_function"]
@@ -124,7 +143,8 @@ def _unsupported(func, placements) -> NotImplementedError:
         f"{func} is not supported on RaggedShard DTensors (placements {tuple(placements)}): only "
         "element-wise ops, _foreach_* ops, fused optimizer ops, *_like factories, random ops, "
         "reductions over all dims, sum/mean/amax/amin/all/any and vector norms over any dims, "
-        "and clip_grad_norm_ run on them; redistribute to Replicate or Shard first"
+        "new_* factories, integer indexing on dim 0 and clip_grad_norm_ run on them; "
+        "redistribute to Replicate or Shard first"
     )
 
 
@@ -148,198 +168,6 @@ class _Allowlist(TorchDispatchMode):
                     "under torch.no_grad() or redistribute to Replicate/Shard first"
                 )
         return out
-
-
-def _is_ragged_dt(x) -> bool:
-    return isinstance(x, fastpath.ragged_type())
-
-
-def _same_layout(a: DTensor, b: DTensor) -> bool:
-    return (
-        a._spec.mesh == b._spec.mesh
-        and a._spec.placements == b._spec.placements
-        and a.shape == b.shape
-    )
-
-
-def _layout_error(name, a: DTensor, b: DTensor) -> ValueError:
-    return ValueError(
-        f"{name}: RaggedShard DTensor operands must have identical layouts, "
-        f"got shape {list(a.shape)} placements {a.placements} "
-        f"and shape {list(b.shape)} placements {b.placements}"
-    )
-
-
-def _unwrap_scalar(name, t: torch.Tensor, slot: int):
-    """A 0-dim non-ragged tensor operand: its value is the same on every rank."""
-    if isinstance(t, DTensor):
-        if any(isinstance(p, Partial) for p in t.placements):
-            raise ValueError(
-                f"{name}: a 0-dim Partial DTensor operand must be reduced first ({t.placements})"
-            )
-        return t._local_tensor
-    return t
-
-
-class _Broadcast:
-    """A non-ragged operand of more than 0 dims, cut to the local rows once the layout of the
-    RaggedShard operands is known ([Note: replicated operands of ragged ops])."""
-
-    __slots__ = ("tensor", "slot")
-
-    def __init__(self, tensor: torch.Tensor, slot: int):
-        self.tensor, self.slot = tensor, slot
-
-
-def _local_rows(name: str, t: torch.Tensor, ref: DTensor) -> torch.Tensor:
-    """[Note: replicated operands of ragged ops]
-    An element-wise op may combine a RaggedShard DTensor with a tensor every rank holds whole:
-    a Replicate DTensor (on the same mesh), or a plain tensor under torch's
-    `implicit_replication()` (outside it, as with torch's DTensor, a plain tensor of more than
-    one element raises). Its shape must broadcast to the ragged operand's global shape without
-    enlarging it (a bias against a weight, a full-size tensor). Each rank then cuts out the
-    elements matching its own local shard: the block it holds under the other placements
-    (torch's block offset), then its rows [begin, end) of that block (by unravelling the row
-    indices, so only the local elements are ever copied, whatever the broadcast). No
-    communication; every element of the result is computed by the same kernel from the same
-    two values as in the full-tensor op, so it is bit-exact."""
-    from veragged.placement.layout import spec_layout
-
-    if isinstance(t, DTensor):
-        if t.device_mesh != ref.device_mesh or not all(
-                isinstance(p, Replicate) for p in t.placements):
-            raise ValueError(
-                f"{name}: a RaggedShard DTensor can be combined with RaggedShard DTensors of the "
-                "same layout, Replicate DTensors on its mesh and 0-dim tensors; got a DTensor of "
-                f"shape {list(t.shape)} with placements {t.placements}: redistribute it first"
-            )
-        t = t._local_tensor
-    elif not DTensor._op_dispatcher._allow_implicit_replication:
-        raise ValueError(
-            f"{name}: a RaggedShard DTensor is combined with a plain tensor of shape "
-            f"{list(t.shape)}; as with torch's DTensor, plain tensors of more than one element "
-            "are taken as replicated only under "
-            "torch.distributed.tensor.experimental.implicit_replication()"
-        )
-    shape = tuple(ref.shape)
-    try:
-        fits = tuple(torch.broadcast_shapes(t.shape, shape)) == shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(
-            f"{name}: an operand of shape {list(t.shape)} does not broadcast to the RaggedShard "
-            f"DTensor's shape {list(shape)} (the result must keep that shape)"
-        )
-    lay = spec_layout(ref._spec)
-    block = t.expand(shape)[tuple(slice(o, o + n)
-                                  for o, n in zip(lay.block_offset, lay.block_shape))]
-    k = len(lay.placement.dims)
-    if k <= 1:
-        rows = block[lay.begin:lay.end] if k else block[None][lay.begin:lay.end]
-    else:
-        index, coords = torch.arange(lay.begin, lay.end, device=t.device), []
-        for size in reversed(lay.block_shape[:k]):
-            coords.append(index % size)
-            index = index // size
-        rows = block[tuple(reversed(coords))]
-    return rows.reshape(-1)
-
-
-def _as_ragged(x):
-    from veragged.placement.dtensor import as_ragged
-
-    return as_ragged(x) if isinstance(x, DTensor) else x
-
-
-def _unwrap(name: str, args, kwargs):
-    """Replace DTensors by local tensors.
-
-    Return (args, kwargs, layout reference per output slot).
-    """
-    refs: dict[int, DTensor] = {}  # list position (or -1 for non-list operands) -> layout reference
-    locals_to_dt: dict[int, DTensor] = {}
-    deferred: list[int] = []  # slots holding a _Broadcast
-
-    def check(dt: DTensor, slot: int) -> None:
-        ref = refs.setdefault(slot, dt)
-        if ref is not dt and not _same_layout(ref, dt):
-            raise _layout_error(name, ref, dt)
-
-    def leaf(x, slot: int):
-        x = _as_ragged(x)  # torch code may hand back a plain DTensor with a RaggedShard spec
-        if _is_ragged_dt(x):
-            check(x, slot)
-            locals_to_dt[id(x._local_tensor)] = x
-            return x._local_tensor
-        if isinstance(x, torch.Tensor):
-            if x.dim() == 0:
-                return _unwrap_scalar(name, x, slot)
-            deferred.append(slot)
-            return _Broadcast(x, slot)
-        return x
-
-    def arg(x):
-        if isinstance(x, torch.Tensor):
-            return leaf(x, -1)
-        if isinstance(x, (list, tuple)):
-            if any(isinstance(e, torch.Tensor) for e in x):
-                return type(x)(leaf(e, i) for i, e in enumerate(x))
-            return x
-        if x is None or isinstance(x, (bool, int, float, complex, str, torch.dtype, torch.device)):
-            return x
-        return tree_map(lambda e: leaf(e, -1), x)
-
-    uargs = tuple(arg(a) for a in args)
-    ukwargs = {k: arg(v) for k, v in kwargs.items()}
-    if -1 in refs:  # a lone DTensor operand next to lists: it must match every list position
-        for slot, ref in refs.items():
-            if slot != -1 and not _same_layout(ref, refs[-1]):
-                raise _layout_error(name, refs[-1], ref)
-    if deferred:  # [Note: replicated operands of ragged ops]
-        def cut(x):
-            if not isinstance(x, _Broadcast):
-                return x
-            ref = refs.get(x.slot)
-            if ref is None:
-                ref = refs.get(-1)
-            if ref is None:
-                ref = next(iter(refs.values()))
-            return _local_rows(name, x.tensor, ref)
-
-        uargs = tree_map(cut, uargs)
-        ukwargs = tree_map(cut, ukwargs)
-    return uargs, ukwargs, refs, locals_to_dt
-
-
-def _wrap(out, refs, locals_to_dt):
-    """Wrap local outputs as RaggedDTensors: output i of a `_foreach_*` op takes the layout of
-    list position i, any other output the layout shared by the DTensor operands."""
-    from veragged.placement.dtensor import RaggedDTensor
-
-    lists = any(slot >= 0 for slot in refs)
-
-    def one(t, slot: int):
-        if not isinstance(t, torch.Tensor):
-            return t
-        same = locals_to_dt.get(id(t))
-        if same is not None and same._local_tensor is t:
-            return same  # in-place op: hand back the DTensor itself
-        ref = refs.get(slot, refs.get(-1))
-        if ref is None or t.shape != ref._local_tensor.shape:
-            raise RuntimeError(
-                f"internal error: output of shape {list(t.shape)} "
-                "cannot be wrapped as a RaggedShard DTensor"
-            )
-        return RaggedDTensor._wrap(t, ref._spec)
-
-    if isinstance(out, (list, tuple)):
-        return type(out)(one(t, i if lists else -1) for i, t in enumerate(out))
-    return one(out, -1)
-
-
-def _name(func) -> str:
-    return getattr(func, "__name__", None) or str(func)
 
 
 def _holds_ragged(x) -> bool:
@@ -420,12 +248,13 @@ _INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
 
 _SPECIAL = {
     torch.Tensor.new_tensor: _new_tensor,
+    **factories.FACTORY_FUNCTIONS,
     **RANDOM_FUNCTIONS,
     **REDUCTION_FUNCTIONS,
     **NORM_FUNCTIONS,
     **AMP_FUNCTIONS,
 }
-_PACKETS = {**REDUCTION_PACKETS, **NORM_PACKETS, **AMP_PACKETS}
+_PACKETS = {**REDUCTION_PACKETS, **NORM_PACKETS, **AMP_PACKETS, **factories.FACTORY_PACKETS}
 
 
 def _classify(func) -> int:
@@ -490,9 +319,15 @@ def handle_torch_function(func, args, kwargs):
     if out is not NotImplemented:
         return out
     # An aten overload called directly (`torch.ops.aten.sum.default(x)`) takes its packet's handler.
-    special = _SPECIAL.get(func) or _PACKETS.get(getattr(func, "overloadpacket", None))
+    special = (_SPECIAL.get(func) or _PACKETS.get(getattr(func, "overloadpacket", None))
+               or patched_init(func))
     if special is not None:
         out = special(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+    if func in _INDEXING and len(args) > 1 and _is_ragged_dt(args[0]):
+        out = (factories.getitem(args[0], args[1]) if func is torch.Tensor.__getitem__
+               else factories.setitem(args[0], args[1], args[2]))
         if out is not NotImplemented:
             return out
     if func in _INDEXING and len(args) > 1 and args[1] is not Ellipsis:
@@ -502,7 +337,7 @@ def handle_torch_function(func, args, kwargs):
             f"indexing a RaggedShard DTensor ({_name(func)} with index {args[1]!r}) is not "
             "supported; redistribute to Replicate or Shard first"
         )
-    uargs, ukwargs, refs, locals_to_dt = _unwrap(_name(func), args, kwargs)
+    uargs, ukwargs, refs, locals_to_dt = _unwrap(_name(func), args, kwargs, func)
     needs_grad = (
         torch.is_grad_enabled()
         and func not in _BOOLEAN_RESULT
@@ -590,5 +425,5 @@ def handle_torch_dispatch(func, args, kwargs):
         flat, _ = tree_flatten((args, kwargs))
         dt = next(x for x in flat if _is_ragged_dt(x))
         raise _unsupported(func, dt.placements)
-    uargs, ukwargs, refs, locals_to_dt = _unwrap(str(func), args, kwargs)
+    uargs, ukwargs, refs, locals_to_dt = _unwrap(str(func), args, kwargs, func)
     return _wrap(func(*uargs, **ukwargs), refs, locals_to_dt)

@@ -24,17 +24,23 @@ Covered: in-place `normal_`, `uniform_`, `bernoulli_` (float or 0-dim p), `expon
 `randint_like` factories. `torch.nn.init` functions that dispatch on tensor subclasses
 (`normal_`, `uniform_`, `constant_`, `kaiming_uniform_`) are re-run here on the DTensor; the others
 (`trunc_normal_`, `xavier_*`, `kaiming_normal_`, `zeros_`, `ones_`) reach the ops above and the
-element-wise ops directly, and `trunc_normal_`'s rejection loop stays in step on every rank
-because its `mask.any()` is a global reduction (veragged/placement/reductions.py). Functions that
-need other ops raise NotImplementedError naming the op: `orthogonal_` (`new_empty`, then QR),
-`sparse_` and `dirac_` (indexing), `eye_` (`eye.out`). Random ops whose values depend on the
-tensor's values (`bernoulli_` with a tensor `p`, `torch.bernoulli(x)`, `torch.normal(mean=x)`) or on
-a Partial placement raise too.
+element-wise ops directly (fans from the global shape), and `trunc_normal_`'s rejection loop stays
+in step on every rank because its `mask.any()` is a global reduction
+(veragged/placement/reductions.py). The same holds when transformers' `guard_torch_init_functions`
+has patched `torch.nn.init` (`patched_init` below) and at the dispatch level (code run under
+`torch._C.DisableTorchFunctionSubclass()` reaches `__torch_dispatch__`, which serves the same aten
+ops with `random_op`: same values). Functions that need other ops raise NotImplementedError naming
+the op: `orthogonal_` needs the whole matrix for its QR and raises at `t_` or `linalg_qr`
+(initialise a full tensor and copy it in: `full = torch.empty(p.shape); nn.init.orthogonal_(full);
+p.copy_(full)`, each rank keeping its part), `sparse_` and `dirac_` (indexing), `eye_`
+(`eye.out`). Random ops whose values depend on the tensor's values (`bernoulli_` with a tensor `p`,
+`torch.bernoulli(x)`, `torch.normal(mean=x)`) or on a Partial placement raise too.
 """
 
 from __future__ import annotations
 
 import math
+import types
 import warnings
 
 import torch
@@ -43,7 +49,7 @@ from torch.distributed.tensor.placement_types import Partial
 
 from veragged.placement.layout import spec_layout
 
-__all__ = ["RANDOM_FUNCTIONS", "RANDOM_PACKETS", "local_piece", "random_op"]
+__all__ = ["RANDOM_FUNCTIONS", "RANDOM_PACKETS", "local_piece", "patched_init", "random_op"]
 
 aten = torch.ops.aten
 
@@ -187,5 +193,28 @@ def _torch_level() -> dict:
 
 # `__torch_function__` entries: func -> handler(*args, **kwargs).
 RANDOM_FUNCTIONS = _torch_level()
+_INIT_BY_NAME = {
+    name: RANDOM_FUNCTIONS[getattr(torch.nn.init, name)]
+    for name in ("normal_", "uniform_", "constant_", "kaiming_uniform_")
+}
+
+
+def patched_init(func):
+    """The handler of a `torch.nn.init` function reached under a patch of its name, or None.
+
+    torch's `normal_`, `uniform_`, `constant_` and `kaiming_uniform_` pass the function that
+    `torch.nn.init` *currently* holds under their name to `handle_torch_function`. Under a patch
+    (transformers' `guard_torch_init_functions` replaces them by wrappers that skip tensors marked
+    `_is_hf_initialized` and otherwise call torch's original), `__torch_function__` therefore
+    receives the wrapper; the original is already running (the wrapper's check has passed), so
+    it is served as torch's function of that name.
+    """
+    if type(func) is not types.FunctionType:
+        return None
+    init = torch.nn.init
+    for name, handler in _INIT_BY_NAME.items():
+        if getattr(init, name, None) is func:
+            return handler
+    return None
 # aten packets served by `random_op` from `__torch_dispatch__`.
 RANDOM_PACKETS = frozenset(getattr(aten, name) for name in _INPLACE + _LIKE)
