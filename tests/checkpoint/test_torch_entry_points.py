@@ -588,3 +588,99 @@ def test_wrong_full_shape_raises_naming_the_parameter(mode, layout):
         assert "'blocks.0.down.weight'" in msg, msg
         down = _config(layout)
         assert f"({down.dim}, {down.hidden + 1})" in msg and f"({down.dim}, {down.hidden})" in msg
+
+
+# ---- torch's test_rank0_broadcast_meta_device_init, on veragged.fully_shard -----------------------
+
+
+def _rank0_broadcast_meta_device_init(impl: str) -> dict:
+    """torch's test (test/distributed/_composable/fsdp/test_fully_shard_init.py), its body kept:
+    torch's Transformer, rank 0's full state dict broadcast parameter by parameter and sharded
+    with torch's `distribute_tensor(..., sharded_meta_param.placements)` into a meta-initialised
+    model, against a reference built from rank 0's broadcast model; `impl`'s fully_shard, with
+    the routing for veragged's."""
+    from torch.testing._internal.distributed._tensor.common_dtensor import (
+        ModelArgs,
+        Transformer,
+        TransformerBlock,
+    )
+
+    fully_shard = IMPLS[impl]
+    rank = dist.get_rank()
+    model_args = ModelArgs(dropout_p=0.0)
+    if rank == 0:
+        torch.manual_seed(42)
+        ref_model = Transformer(model_args)
+        full_sd = ref_model.state_dict()
+    fsdp_mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    with torch.device("meta"):
+        model = Transformer(model_args)
+    for module in model.modules():
+        if isinstance(module, TransformerBlock):
+            fully_shard(module, mesh=fsdp_mesh)
+    fully_shard(model, mesh=fsdp_mesh)
+    assert all(p.device == torch.device("meta") for p in model.parameters())
+    meta_sharded_sd = model.state_dict()
+    sharded_sd = {}
+    with veragged.route_torch_entry_points() if impl == "veragged" else contextlib.nullcontext():
+        if rank == 0:
+            assert list(meta_sharded_sd.keys()) == list(full_sd.keys())
+            for (param_name, full_param), sharded_meta_param in zip(
+                full_sd.items(), meta_sharded_sd.values()
+            ):
+                full_param = full_param.detach().to("cpu")
+                mesh = sharded_meta_param.device_mesh
+                dist.broadcast(full_param, src=0, group=mesh.get_group(0))
+                sharded_tensor = dtensor.distribute_tensor(
+                    full_param, mesh, sharded_meta_param.placements
+                )
+                sharded_sd[param_name] = nn.Parameter(sharded_tensor)
+        else:
+            for param_name, sharded_meta_param in meta_sharded_sd.items():
+                full_tensor = torch.empty(
+                    sharded_meta_param.size(), device="cpu", dtype=sharded_meta_param.dtype
+                )
+                mesh = sharded_meta_param.device_mesh
+                dist.broadcast(full_tensor, src=0, group=mesh.get_group(0))
+                sharded_tensor = dtensor.distribute_tensor(
+                    full_tensor, mesh, sharded_meta_param.placements
+                )
+                sharded_sd[param_name] = nn.Parameter(sharded_tensor)
+    model.load_state_dict(sharded_sd, assign=True)
+    for param in model.parameters():
+        assert isinstance(param, DTensor) and param.device.type == "cpu"
+    if rank != 0:
+        ref_model = Transformer(model_args)
+    for param in ref_model.parameters():
+        torch.distributed.broadcast(param.detach(), src=0)
+    for module in ref_model.modules():
+        if isinstance(module, TransformerBlock):
+            fully_shard(module, mesh=fsdp_mesh)
+    fully_shard(ref_model, mesh=fsdp_mesh)
+    for (param_name, param), (ref_param_name, ref_param) in zip(
+        model.named_parameters(), ref_model.named_parameters()
+    ):
+        assert param_name == ref_param_name
+        assert torch.equal(param.full_tensor(), ref_param.full_tensor()), param_name
+    inp = torch.randint(0, model_args.vocab_size, (2, 16),
+                        generator=torch.Generator().manual_seed(rank))
+    loss = model(inp).sum()
+    loss.backward()
+    ref_loss = ref_model(inp).sum()
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss)
+    for param, ref_param in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(param.grad.full_tensor(), ref_param.grad.full_tensor())
+    return {"kind": type(next(model.parameters())).__name__, "loss": loss.detach(),
+            "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+
+
+def _rank0_broadcast_both() -> dict:
+    return {impl: _rank0_broadcast_meta_device_init(impl) for impl in IMPLS}
+
+
+def test_rank0_broadcast_meta_device_init():
+    for res in get_pool(2).run(_rank0_broadcast_both, timeout=TIMEOUT_S):
+        assert res["torch"]["kind"] == "DTensor" and res["veragged"]["kind"] == "RaggedDTensor"
+        assert torch.equal(res["veragged"]["loss"], res["torch"]["loss"])
+        _assert_same(res["veragged"]["grads"], res["torch"]["grads"], "gradients")
