@@ -97,7 +97,9 @@ device_type = torch.device(_conformance_device_type)
 
 _PATCHES_FSDP_PARAM_GROUP = (
     "records unshard/reshard/post_backward events by patching FSDP2's private "
-    "FSDPParamGroup methods (veragged has its own group class, so nothing is recorded)"
+    "FSDPParamGroup methods (veragged has its own group class, so nothing is recorded). "
+    "Adapted copy, recording the group events of either implementation: "
+    "test_adapted_comm.py::TestAdaptedPrefetch"
 )
 
 
@@ -269,7 +271,9 @@ class TestFullyShardCommunication(FSDPTest):
 
     @torch_only(
         "reads FSDP2's private state (_get_fsdp_state()._comm_ctx, "
-        "_fsdp_param_groups[0].reduce_scatter_max_input_buffers)"
+        "_fsdp_param_groups[0].reduce_scatter_max_input_buffers). Adapted copy, reading "
+        "veragged's StateContext.max_reducing and FSDPState.max_reduce_scatter_buffers: "
+        "test_adapted_comm.py::TestAdaptedCommunication"
     )
     def test_reduce_scatter_max_input_buffers_resolves_to_max(self):
         """
@@ -1437,7 +1441,8 @@ class TestFullyShardReduceOpWorldSize1(FSDPTest):
         "counts aten.div.Tensor calls in FSDP2's gradient copy-out (veragged reduces with SUM "
         "and scales by 1/factor in its own reduce path, no aten.div) and compares "
         "weight.grad.to_local() with the Shard(0) local shape [4, 8] (a RaggedShard local "
-        "shard is flat, [32])"
+        "shard is flat, [32]). Adapted copy, comparing the full gradient: "
+        "test_adapted_comm.py::TestAdaptedReduceOpWorldSize1"
     )
     @parametrize("divide_factor", [None, 1.0, 2.0])
     def test_singleton_copy_division(self, divide_factor):
@@ -1463,7 +1468,8 @@ class TestFullyShardReduceOpWorldSize1(FSDPTest):
 
     @torch_only(
         "after the parity loop it reads FSDP2's private state "
-        "(_get_fsdp_state()._fsdp_param_group.mesh_info) to check the reduce op"
+        "(_get_fsdp_state()._fsdp_param_group.mesh_info) to check the reduce op. Adapted "
+        "copy, the parity loop on both: test_adapted_comm.py::TestAdaptedReduceOpWorldSize1"
     )
     def test_size1_reduceop(self):
         from torch.distributed.distributed_c10d import ReduceOp

@@ -108,6 +108,8 @@ class DBuffer(GradientPath):
         compute = param_dtype or dtype
         itemsize = min(d.itemsize for d in (dtype, compute, reduce_dtype or compute))
         S = self.shard_size = self._place(tensors, block_sizes, align=ALIGN_BYTES // itemsize)
+        # The verdict flags after each slot of the gradient buffer: [Note: unreached parameters].
+        self._flag_room = self.flag_room(len(tensors), ALIGN_BYTES // itemsize, mesh.size())
         shard = aligned_empty(S, dtype, device, pin_memory=self._pin and not meta)
         if not meta:
             shard.zero_()
@@ -120,6 +122,7 @@ class DBuffer(GradientPath):
         self.params = self._make_buffers(shard)
         self._gather_work = None
         self._reduce = None  # a launched reduce-scatter and how to finish it
+        self._pending = None  # verdicts still being read after it finished (grads.py)
 
     def _place(self, tensors, block_sizes, align: int) -> int:
         """Plan where each tensor lives: sets `self.entries` (and `self.layout`), returns S."""
@@ -176,11 +179,10 @@ class DBuffer(GradientPath):
         self._free(self._unsharded)
         # Gradients land in the reduce dtype, as torch's FSDP2 copies them into its reduce-scatter
         # input (and accumulates no-sync micro-batches) in it: [Note: gradient landing].
-        self._grads = torch.empty(self.world * S, dtype=self.reduce_dtype,
+        # Its slots end with the verdict flags: [Note: unreached parameters].
+        self._grads = torch.empty(self._grads_numel(), dtype=self.reduce_dtype,
                                   device=self.compute_device)
-        self.unsharded_grads = [
-            self._grads[e.start : e.stop].view(e.view_shape) for e in self.entries
-        ]
+        self._pieces = [self._grad_pieces(e) for e in self.entries]  # where each lands
         self._free(self._grads)
         self._landed = [True] * len(self.entries)  # which ranges hold a gradient (grads.py)
         self._shard_grad: torch.Tensor | None = None
@@ -238,8 +240,7 @@ class DBuffer(GradientPath):
             except RuntimeError:  # another device type: the new object replaces the old one
                 self.params[i] = fresh
         if old_shard_grad is not None and any(g is not None for g in old_grads):
-            self._shard_grad = aligned_empty(self.shard_size, self.dtype, self.device,
-                                             pin_memory=self._pin)
+            self._shard_grad = self._new_shard_grad()
             with torch.no_grad():
                 self._shard_grad.copy_(old_shard_grad)
             for p, e, g in zip(self.params, self.entries, old_grads):
@@ -388,8 +389,10 @@ class DBuffer(GradientPath):
             (self._unsharded,), (self._gather_version,)
         )
 
-    def _rank_major(self, full: torch.Tensor) -> torch.Tensor:
-        """`full` (a P * S buffer in the unsharded layout) in the rank-major layout."""
+    def _rank_major(self, full: torch.Tensor, slot: int | None = None) -> torch.Tensor:
+        """`full` (a P * S buffer in the unsharded layout) in the rank-major layout, rank r's
+        elements at `[r * slot, r * slot + S)` (`slot` defaults to S; only a subclass whose
+        gradient buffer is not rank-major is asked for a larger one, see grads.py)."""
         return full
 
     def _params_version(self) -> tuple[int, ...]:

@@ -46,6 +46,8 @@ class ChunkedDBuffer(DBuffer):
     `block_sizes`. See [Note: chunked parameters].
     """
 
+    _GRADS_RANK_MAJOR = False  # gradients land in the full layout; `_rank_major` adds the flags
+
     def __init__(self, tensors, mesh, *, dims, **kwargs):
         self._dims = list(dims)
         if len(self._dims) != len(tensors):
@@ -97,8 +99,7 @@ class ChunkedDBuffer(DBuffer):
 
     def _slots(self, rank_major: torch.Tensor, e: _Entry, chunk) -> torch.Tensor:
         """Tensor `e`'s P chunks in a rank-major buffer, as a (P, A, D / P, B) view."""
-        P, S = self.world, self.shard_size
-        return rank_major.view(P, S)[:, e.local[0] : e.local[1]].view(P, *chunk)
+        return rank_major.view(self.world, -1)[:, e.local[0] : e.local[1]].view(self.world, *chunk)
 
     def _full(self, full: torch.Tensor, e: _Entry, chunk) -> torch.Tensor:
         """Tensor `e` in a full-layout buffer, as an (A, P, D / P, B) view."""
@@ -118,10 +119,10 @@ class ChunkedDBuffer(DBuffer):
                 )
         super()._finish_gather()
 
-    def _rank_major(self, full: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(full)
+    def _rank_major(self, full: torch.Tensor, slot: int | None = None) -> torch.Tensor:
+        out = full.new_empty(self.world * (slot or self.shard_size))
         with torch.no_grad():
-            out.view(self.world, self.shard_size)[:, self._used :].zero_()
+            out.view(self.world, -1)[:, self._used :].zero_()
             for e, chunk in zip(self.entries, self._chunks):
                 self._slots(out, e, chunk).copy_(self._full(full, e, chunk).permute(1, 0, 2, 3))
         return out

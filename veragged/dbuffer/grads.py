@@ -5,39 +5,53 @@ reduce-scatter and the sharded gradients it writes.
 Backward does not write into a zeroed buffer through autograd's accumulation (a zero pass, then
 a read-add-write per element). Each unsharded parameter's `.grad` stays None; when autograd has
 stored a gradient, a post-accumulate-grad hook (`ParamGroup`) hands it to `land_grad`, which
-writes the parameter's range of the gradient buffer once (`+0.0 + scale * g`, so no element is
--0.0: see [Note: unreached parameters]) or, for a later gradient before the buffer is reduced
-(a module used twice, no-sync micro-batches), adds it in, and drops `.grad` again. The buffer
-has the reduce dtype, so the cast to it happens in that same write. `scale` is 1/world (HSDP:
-1/(shard x replicate); or 1/divide_factor) when that is a power of two: multiplying by it before
-the SUM gives exactly the bits of dividing after it (short of subnormals), so the
-reduce-scatter can write the sharded gradients directly, with no pass of its own. Autograd's
-first gradient is stored without a copy, so a parameter's gradient costs one write, as FSDP2's
-copy into its reduce-scatter input does. Ranges no gradient landed in (frozen and unreached
-parameters, padding) are zeroed by one launch (`complete_grads`) before the buffer is read.
+writes the parameter's range of the gradient buffer once (`+0.0 + scale * g`) or, for a later
+gradient before the buffer is reduced (a module used twice, no-sync micro-batches), adds it in,
+and drops `.grad` again. The buffer has the reduce dtype, so the cast to it happens in that same
+write. `scale` is 1/world (HSDP: 1/(shard x replicate); or 1/divide_factor) when that is a power
+of two: multiplying by it before the SUM gives exactly the bits of dividing after it (short of
+subnormals), so the reduce-scatter can write the sharded gradients directly, with no pass of its
+own. Autograd's first gradient is stored without a copy, so a parameter's gradient costs one
+write, as FSDP2's copy into its reduce-scatter input does. Ranges no gradient landed in (frozen
+and unreached parameters, padding) are zeroed by one launch (`complete_grads`) before the buffer
+is read.
+The gradient buffer is the reduce-scatter's input, rank-major with a slot of `S + F` elements per
+rank: the S gradient elements of rank r's shard, then F verdict flags ([Note: unreached
+parameters]; F = 0 on a mesh of one rank). A parameter that crosses a shard boundary is therefore
+not one contiguous range of it: it lands in pieces, at most three writes (the part in its first
+slot, the whole slots after it as one 2-D view, the part in its last slot); one inside a slot
+(most parameters) lands in one. (`ChunkedDBuffer` lands gradients in the full layout and adds
+the flags in its rank-major copy.)
 
 [Note: unreached parameters]
 A parameter that no rank's backward reached keeps `.grad = None` (torch's FSDP2 leaves it out of
 its reduce-scatter), yet the reduce-scatter covers the whole buffer on every rank, so that ranks
 whose data reached different parameters still issue the same collective. Which parameters some
-rank reached travels inside that collective, at no cost: a reached element is never -0.0 (its
-first gradient lands as `g + 0.0`, later ones are added, and in round-to-nearest x + y is -0.0
-only when both are -0.0; [Note: gradient landing]); before the reduce-scatter each rank writes
--0.0 over the parameters it did not reach. A SUM is then -0.0 exactly when every rank sent -0.0, i.e. when no
-rank reached the parameter, and every rank holding part of it reads the same answer from its
-first local element. Adding -0.0 to a value leaves it unchanged, so the marks never alter a
-gradient. This needs a SUM that adds in IEEE arithmetic without a +0.0 identity: gloo's does
-(tests/fsdp/test_lifecycle.py::test_ranks_using_different_parameters); NCCL's ring and tree
-kernels add the ranks' values the same way (not yet checked on a GPU here). A backend that
-lost the sign would make every parameter read as reached, i.e. zeros instead of None, the same
-on every rank. A rank holding none of a parameter answers from
-its own backward, which agrees with the others whenever every rank reached the same parameters
-(torch's requirement in this mode); `set_reduce_scatter_unused_params(True)` instead gives every
-trainable parameter a gradient, zeros where none was reached, the same on every rank: the mode
-for data-dependent routing (experts without tokens on some ranks), as with torch's FSDP2. (A
-has-grad all-reduce beside the reduce-scatter would give the None verdict everywhere, but
-backward would then issue a collective torch's does not; carrying the verdicts inside the
-reduce-scatter needs a per-slot region in the layout: not done.)
+rank reached travels inside that collective: every rank's slot of the gradient buffer ends with
+F >= n flags (n tensors in the buffer, F rounded up to the slot alignment), and each rank writes
+its own verdicts into every slot's flags before the reduce-scatter (1 for a tensor its backward
+reached, or any tensor in `set_reduce_scatter_unused_params(True)` mode; 0 otherwise; one small
+host-to-device copy). The SUM leaves in each rank's slot the number of ranks that reached each
+tensor (HSDP: the all-reduce over the replicas adds theirs; a no-all-reduce micro-batch's sum
+kept aside adds its own), so every rank, including one that holds no element of a tensor (a
+RaggedShard may give a rank zero units), reads the same verdict: a gradient for every tensor
+some rank reached, None for the others. After backward, every rank of the mesh therefore agrees
+on which parameters have a gradient, and clipping (torch's, whose per-parameter norms of
+RaggedShard gradients each all-reduce, and `veragged.clip_grad_norm_`), GradScaler, the
+optimizers and DCP issue the same collectives on every rank. The counts are small integers in
+the reduce dtype (exact below 2^8 ranks even in bf16, and never 0 once positive), so no backend
+detail (the sign of a zero sum) matters; the flags never touch a gradient element: a rank that
+did not reach a tensor sends +0.0 there, which leaves the others' sum bitwise as it was (their
+elements are never -0.0: +0.0 + x is not). The cost is F elements per rank on the wire and in
+the buffer, and no collective torch's backward does not issue.
+Reading a verdict is a device-to-host read, needed only when this rank's backward missed a
+trainable tensor of the buffer (it knows the tensors it reached): one read per buffer, of all
+its flags. Inside backward (`finish_reduce(defer=True)`, the group's state after its
+post-backward) the read is started without waiting (a copy to pinned host memory and an event on
+an accelerator) and the gradients of those tensors are bound at the end of backward
+(`resolve_grads`, from `finalize_backward`), so backward does not stall the host per group; any
+later use of the buffer (the next reduction, `apply_`) resolves first. Tensors this rank reached
+are bound when their reduction finishes, as before.
 """
 
 from __future__ import annotations
@@ -50,25 +64,94 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from veragged.dbuffer import ops
-from veragged.dbuffer.entries import Entry as _Entry
 from veragged.dbuffer.memory import aligned_empty
 
 __all__ = ["GradientPath"]
 
 
+def _start_read(t: torch.Tensor):
+    """Start copying `t` to the host: (host tensor, event to wait for, or None on the CPU)."""
+    if t.device.type == "cpu":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.get_device_module(t.device.type).Event()
+    event.record()
+    return host, event
+
+
 class GradientPath:
     """`DBuffer`'s gradient methods (a mixin: the buffers and entries are DBuffer's)."""
 
-    def alloc_unsharded_grads(self, scale: float = 1.0) -> list[torch.Tensor]:
+    # The gradient buffer is the reduce-scatter input (rank-major, slots of S + F elements); a
+    # subclass landing gradients in another layout sets False and overrides `_rank_major`.
+    _GRADS_RANK_MAJOR = True
+
+    # --- layout ------------------------------------------------------------------------------
+
+    @staticmethod
+    def flag_room(n: int, align: int, ranks: int) -> int:
+        """F: the verdict flags at the end of each rank's gradient slot, `n` rounded up to
+        `align` (so every slot stays aligned); none on a mesh of one rank."""
+        return 0 if ranks == 1 else -(-max(n, 1) // align) * align
+
+    def _grads_numel(self) -> int:
+        S, F = self.shard_size, self._flag_room
+        return self.world * (S + F if self._GRADS_RANK_MAJOR else S)
+
+    def _grad_ranges(self, a: int, b: int) -> list[tuple[int, int]]:
+        """Where [a, b) of the unsharded layout lies in the gradient buffer: one range per
+        shard slot it touches ([Note: gradient landing])."""
+        S, F = self.shard_size, self._flag_room
+        if not (F and self._GRADS_RANK_MAJOR):
+            return [(a, b)] if b > a else []
+        out = []
+        while a < b:
+            r, off = divmod(a, S)
+            end = min(b, (r + 1) * S)
+            lo = r * (S + F) + off
+            out.append((lo, lo + end - a))
+            a = end
+        return out
+
+    def _grad_pieces(self, e) -> list[tuple[int, int, torch.Tensor]]:
+        """Tensor `e`'s gradient as views of the gradient buffer: (first, last) flat elements
+        of the gradient and the view they land in. `[(None, None, view)]`, one view of the
+        tensor's shape, when it lies in one slot; else its part in the first slot, the whole
+        slots after it as one (k, S) view, and its part in the last slot."""
+        G = self._grads
+        ranges = self._grad_ranges(e.start, e.stop)
+        if len(ranges) <= 1:
+            lo, hi = ranges[0] if ranges else (0, 0)
+            return [(None, None, G[lo:hi].view(e.view_shape))]
+        S = self.shard_size
+        slot = S + self._flag_room
+        pieces, a, i = [], 0, 0
+        while i < len(ranges):
+            lo, hi = ranges[i]
+            k = 0  # whole slots from here on
+            while i + k < len(ranges) and ranges[i + k][1] - ranges[i + k][0] == S:
+                k += 1
+            if k > 1:
+                r = lo // slot
+                pieces.append((a, a + k * S, G.view(-1, slot)[r : r + k, :S]))
+                a, i = a + k * S, i + k
+            else:
+                pieces.append((a, a + hi - lo, G[lo:hi]))
+                a, i = a + hi - lo, i + 1
+        return pieces
+
+    # --- landing -----------------------------------------------------------------------------
+
+    def alloc_unsharded_grads(self, scale: float = 1.0) -> None:
         """Allocate the gradient buffer (the reduce dtype), unzeroed: gradients land by
         `land_grad`, multiplied by `scale` (see `landing_scale`), and the rest is zeroed by
-        `complete_grads` ([Note: gradient landing]). Returns the per-tensor views."""
+        `complete_grads` ([Note: gradient landing])."""
         self._alloc(self._grads)
         self._landed = [False] * len(self.entries)
         self._land_scale = scale
         if self._zero is None:  # the +0.0 each landing adds, made once
             self._zero = torch.zeros((), dtype=self._grads.dtype, device=self._grads.device)
-        return self.unsharded_grads
 
     def landing_scale(self, divide_factor: float | None = None, allowed: bool = True) -> float:
         """The factor gradients may be multiplied by as they land: 1/world (or 1/divide_factor)
@@ -84,15 +167,22 @@ class GradientPath:
 
     def land_grad(self, i: int, grad: torch.Tensor) -> None:
         """Write (first gradient since allocation) or add `grad` into tensor `i`'s range."""
-        view = self.unsharded_grads[i]
+        pieces = self._pieces[i]
         spmd = self.entries[i].spmd
         if spmd is not None:  # a DTensor on the TP mesh: [Note: FSDP over TP]
             grad = spmd.local_grad(grad)
+        if pieces[0][0] is None:  # in one slot
+            parts = [(pieces[0][2], grad)]
+        else:  # across shard slots: [Note: gradient landing]
+            flat = grad.reshape(-1)
+            parts = [(view, flat[a:b].view(view.shape)) for a, b, view in pieces]
         with torch.no_grad():
             if self._landed[i]:
-                view.add_(grad, alpha=self._land_scale)
+                for view, g in parts:
+                    view.add_(g, alpha=self._land_scale)
             else:  # +0.0 + x is never -0.0: see [Note: unreached parameters]
-                torch.add(self._zero, grad, alpha=self._land_scale, out=view)
+                for view, g in parts:
+                    torch.add(self._zero, g, alpha=self._land_scale, out=view)
                 self._landed[i] = True
 
     def complete_grads(self) -> None:
@@ -103,8 +193,10 @@ class GradientPath:
                 if e.start > pos:
                     ranges.append((pos, e.start))
                 pos = max(pos, e.stop)  # TP padding after `stop` is zeroed too
-        if pos < self._grads.numel():
-            ranges.append((pos, self._grads.numel()))
+        total = self.world * self.shard_size
+        if pos < total:
+            ranges.append((pos, total))
+        ranges = [r for a, b in ranges for r in self._grad_ranges(a, b)]
         if ranges:
             ops.zero_ranges_(self._grads, ranges)
         self._landed = [True] * len(self.entries)
@@ -124,16 +216,38 @@ class GradientPath:
     def grads_allocated(self) -> bool:
         return self._grads.untyped_storage().size() > 0
 
-    def zero_unsharded_grads(self) -> list[torch.Tensor]:
-        """Allocate and zero the gradient buffer (one launch); returns the per-tensor views."""
+    def zero_unsharded_grads(self) -> None:
+        """Allocate and zero the gradient buffer (one launch): every tensor counts as landed,
+        so `land_grad` adds into it."""
         self._alloc(self._grads)
         ops.zero_ranges_(self._grads, [(0, self._grads.numel())])
         self._landed = [True] * len(self.entries)
         self._land_scale = 1.0
-        return self.unsharded_grads
 
     def _replica_dims(self) -> list[int]:
         return [d for d in range(self.mesh.ndim) if d != self.shard_dim and self.mesh.size(d) > 1]
+
+    def _new_shard_grad(self) -> torch.Tensor:
+        """The sharded gradients' buffer: S elements, then room for the F flags the
+        reduce-scatter writes when it writes the sharded gradients directly."""
+        return aligned_empty(self.shard_size + self._flag_room, self.dtype, self.device,
+                             pin_memory=self._pin)
+
+    # --- reduction ---------------------------------------------------------------------------
+
+    def _write_flags(self, source: torch.Tensor, unreached: Sequence[bool] | None) -> None:
+        """Write this rank's verdicts (1: reached or no verdict asked, 0: not reached) into the
+        flags of every slot of the reduce-scatter input ([Note: unreached parameters])."""
+        S, F = self.shard_size, self._flag_room
+        if not F:
+            return
+        n = len(self.entries)
+        values = [1.0] * n if unreached is None else [0.0 if u else 1.0 for u in unreached]
+        flags = torch.tensor(values + [0.0] * (F - n), dtype=source.dtype)
+        if source.device.type != "cpu":
+            flags = flags.pin_memory().to(source.device, non_blocking=True)
+        slots = source.view(-1, S + F)
+        slots[:, S:].copy_(flags.expand(slots.shape[0], F))
 
     def reduce_grads(
         self,
@@ -156,18 +270,17 @@ class GradientPath:
         no-sync micro-batches have accumulated in the buffer, in the reduce dtype. A world of one
         communicates nothing. With `async_op` only the reduce-scatter is launched;
         `finish_reduce()` completes it. `unreached[i]` marks tensors this rank's backward did not
-        reach: see [Note: unreached parameters].
+        reach (None: every tensor counts as reached): see [Note: unreached parameters].
         """
         self.finish_reduce()
         S = self.shard_size
         if self.grads_allocated:
             self.complete_grads()
-        source = self._grads
-        if unreached is not None:
-            for e, u in zip(self.entries, unreached):
-                if u:
-                    source[e.start : e.end].fill_(-0.0)
-        source = self._rank_major(source)
+        if self._GRADS_RANK_MAJOR:
+            source = self._grads
+        else:
+            source = self._rank_major(self._grads, S + self._flag_room)
+        self._write_flags(source, unreached)
         replicas = math.prod(self.mesh.size(d) for d in self._replica_dims())
         if divide_factor is not None:
             scale = 1.0 / divide_factor
@@ -182,12 +295,13 @@ class GradientPath:
         )
         if direct:  # the reduce-scatter writes the sharded gradients
             if self._shard_grad is None:
-                self._shard_grad = aligned_empty(S, self.dtype, self.device, pin_memory=self._pin)
+                self._shard_grad = self._new_shard_grad()
             reduced = self._shard_grad
         elif self.world == 1:
             reduced = source
         else:
-            reduced = torch.empty(S, dtype=self.reduce_dtype, device=self.compute_device)
+            reduced = torch.empty(S + self._flag_room, dtype=self.reduce_dtype,
+                                  device=self.compute_device)
         work = None
         if self.world > 1:
             work = dist.reduce_scatter_tensor(
@@ -197,40 +311,46 @@ class GradientPath:
         if not async_op:
             self.finish_reduce()
 
-    def finish_reduce(self, bind: Sequence[bool] | None = None, hook=None) -> list[bool]:
+    def finish_reduce(self, bind: Sequence[bool] | None = None, hook=None,
+                      defer: bool = False) -> list[bool]:
         """Wait for a launched reduce-scatter and write the sharded gradients.
 
         `bind[i]` says whether tensor i may receive its gradient (default: every tensor); of
         those marked unreached at launch, only the ones some rank reached do
         ([Note: unreached parameters]). The others keep their `.grad` as it was (None stays
-        None). Returns, per tensor, whether its gradient was written (all False if no reduction
-        was in flight). `hook`, if given, is
-        `(fn, stream)`: `fn(reduced)` runs on this rank's reduced shard (after the HSDP
+        None). With `defer` the verdict for the tensors this rank did not reach is read at
+        `resolve_grads()` (which this and every later reduction call first) instead of now.
+        Returns, per tensor, whether its gradient was written (all False if no reduction was in
+        flight and no verdict pending). `hook`, if given, is `(fn, stream)`: `fn(reduced)` runs
+        on this rank's reduced slot (its S gradient elements, then the F flags; after the HSDP
         all-reduce, before any scaling left after landing and the cast; torch's
         `set_all_reduce_hook`: the group then lands gradients unscaled), in `stream`'s context
         if not None.
         """
+        done = self.resolve_grads()
         if self._reduce is None:
-            return [False] * len(self.params)
+            return done
         work, source, reduced, direct, accumulate, scale, all_reduce, unreached = self._reduce
         self._reduce = None
         if work is not None:
             work.wait()
         del source
-        S = self.shard_size
+        S, F = self.shard_size, self._flag_room
+        n = len(self.params)
         replica_dims = self._replica_dims()
         if replica_dims and not all_reduce:
             # HSDP micro-batch without the all-reduce (set_requires_all_reduce(False)): keep the
-            # reduce-scattered sum aside, as torch does; the next all-reducing micro-batch adds
-            # it in before its all-reduce. The sharded gradients are not touched until then.
+            # reduce-scattered sum (and flags) aside, as torch does; the next all-reducing
+            # micro-batch adds it in before its all-reduce. The sharded gradients are not
+            # touched until then.
             if self._partial is None:
-                self._partial = reduced[:S].clone()
+                self._partial = reduced[: S + F].clone()
             else:
-                self._partial.add_(reduced[:S])
+                self._partial.add_(reduced[: S + F])
             self._free(self._grads)
-            return [False] * len(self.params)
+            return done
         if self._partial is not None:
-            reduced = reduced[:S] + self._partial
+            reduced = reduced[: S + F] + self._partial
             self._partial = None
         for d in replica_dims:
             dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.mesh.get_group(d))
@@ -241,52 +361,77 @@ class GradientPath:
             else:
                 with torch.get_device_module(self.compute_device.type).stream(stream):
                     fn(reduced)
+        bind = [True] * n if bind is None else list(bind)
+        # Tensors this rank did not reach take the verdict of the flags: read once, for all.
+        asked = [] if unreached is None else [i for i in range(n) if bind[i] and unreached[i]]
+        verdict = None
+        if asked and F:
+            verdict = _start_read(reduced[S : S + n] != 0)
         if reduced.device != self.device:  # offloaded: the optimizer steps on host shards
             reduced = reduced[:S].to(self.device)
         if self._shard_grad is None:
-            self._shard_grad = aligned_empty(S, self.dtype, self.device, pin_memory=self._pin)
-        bind = [True] * len(self.params) if bind is None else list(bind)
-        if unreached is not None:
-            bind = [b and (not u or self._reached_elsewhere(e, reduced))
-                    for b, u, e in zip(bind, unreached, self.entries)]
-        unbound = [
-            (p, e) for p, e, b in zip(self.params, self.entries, bind)
-            if b and not self._bound(p)
-        ]
+            self._shard_grad = self._new_shard_grad()
+        # Sharded gradients that are not this buffer's views start again from zero (in the
+        # accumulating pass below): every tensor that may be bound now or after its verdict.
+        fresh = [e for p, e, b in zip(self.params, self.entries, bind) if b and not self._bound(p)]
         if direct:
             pass  # the reduce-scatter wrote them
         elif accumulate and any(self._bound(p) for p in self.params):
             # Some sharded gradients (of any tensor, reached or not) hold earlier sums: add to
-            # them; tensors whose .grad was dropped (set to None) start again from zero.
-            ops.zero_ranges_(self._shard_grad, [e.local for _, e in unbound])
-            ops.accumulate_(self._shard_grad, reduced[:S], scale)
+            # them; tensors whose .grad was dropped (set to None) start again from zero. A
+            # tensor no rank reached adds +0.0, which changes no bit of a sum of landed
+            # gradients (never -0.0).
+            ops.zero_ranges_(self._shard_grad, [e.local for e in fresh])
+            ops.accumulate_(self._shard_grad[:S], reduced[:S], scale)
         else:  # no earlier sums (zero_grad() set them to None): one pass writes them all
-            ops.cast_scale_(self._shard_grad, reduced[:S], scale)
-        if accumulate:
-            # A gradient the user assigned (not a view of this buffer) is accumulated into, as
-            # torch's FSDP2 adds the reduced gradient to an existing sharded `.grad`.
-            for p, e in unbound:
-                if p.grad is not None:
-                    old = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                    if old.numel() != e.local[1] - e.local[0]:
-                        raise ValueError(
-                            f"{e.name}.grad: expected this rank's {e.local[1] - e.local[0]} "
-                            f"elements ({p.placements}), got a tensor of shape "
-                            f"{list(old.shape)}"
-                        )
-                    self._shard_grad[e.local[0] : e.local[1]].add_(old.reshape(-1))
-        for p, e in unbound:
-            p.grad = self._sharded(e, self._shard_grad, requires_grad=False)
+            ops.cast_scale_(self._shard_grad[:S], reduced[:S], scale)
+        now = list(bind)
+        for i in asked:
+            now[i] = False
+        if verdict is None and asked:  # a mesh of one rank: its own backward is the verdict
+            asked = []
+        self._bind_grads([i for i in range(n) if now[i]], accumulate)
         self._free(self._grads)
-        return bind
+        if asked:
+            self._pending = (verdict, asked, accumulate)
+            if not defer:
+                late = self.resolve_grads()
+                now = [a or b for a, b in zip(now, late)]
+        return [a or b for a, b in zip(done, now)]
 
-    @staticmethod
-    def _reached_elsewhere(e: _Entry, reduced: torch.Tensor) -> bool:
-        """Whether some rank reached tensor `e`, which this rank's backward did not: its first
-        local element is not the -0.0 every unreaching rank sent ([Note: unreached parameters]).
-        A rank holding no element of it cannot tell, and answers no."""
-        b, end = e.local
-        if b == end:
-            return False
-        first = reduced[b]
-        return not (first.item() == 0 and torch.signbit(first).item())
+    def resolve_grads(self) -> list[bool]:
+        """Bind the gradients of the tensors whose verdict `finish_reduce(defer=True)` left
+        pending (waiting for its read: [Note: unreached parameters]); returns, per tensor,
+        whether its gradient was written now."""
+        written = [False] * len(self.params)
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return written
+        (host, event), asked, accumulate = pending
+        if event is not None:
+            event.synchronize()
+        reached = host.tolist()
+        chosen = [i for i in asked if reached[i]]
+        self._bind_grads(chosen, accumulate)
+        for i in chosen:
+            written[i] = True
+        return written
+
+    def _bind_grads(self, indices: Sequence[int], accumulate: bool) -> None:
+        """Make the sharded gradients of tensors `indices` views of the shard gradient (if they
+        are not already); with `accumulate`, a gradient the user assigned (not a view of this
+        buffer) is added in first, as torch's FSDP2 adds the reduced gradient to an existing
+        sharded `.grad`."""
+        for i in indices:
+            p, e = self.params[i], self.entries[i]
+            if self._bound(p):
+                continue
+            if accumulate and p.grad is not None:
+                old = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                if old.numel() != e.local[1] - e.local[0]:
+                    raise ValueError(
+                        f"{e.name}.grad: expected this rank's {e.local[1] - e.local[0]} "
+                        f"elements ({p.placements}), got a tensor of shape {list(old.shape)}"
+                    )
+                self._shard_grad[e.local[0] : e.local[1]].add_(old.reshape(-1))
+            p.grad = self._sharded(e, self._shard_grad, requires_grad=False)

@@ -29,8 +29,9 @@ def clip_grad_norm_(
 
     Returns the total norm as a plain tensor. Collectives run per mesh, in the order the
     parameters first name the meshes, so every rank must hold gradients for parameters on the
-    same meshes (fully_shard's gradients are: a parameter has a gradient on every rank or on
-    none).
+    same meshes. fully_shard's gradients are: after backward a parameter has a gradient on every
+    rank of its mesh or on none, also when each rank's data reached different parameters and for
+    ranks holding no element of it ([Note: unreached parameters]).
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]

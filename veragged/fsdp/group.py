@@ -243,9 +243,21 @@ class ParamGroup:
         self._grads_live = False
 
     def finish_reduce(self) -> None:
-        """Wait for this group's reduce-scatter (if any) and write the sharded gradients."""
+        """Wait for this group's reduce-scatter (if any) and write the sharded gradients.
+
+        Inside backward (after this group's post-backward) the gradients of parameters this
+        rank did not reach wait for their verdict until `resolve_grads` (end of backward), so
+        reading it does not stall the host here ([Note: unreached parameters])."""
         bind, self._bind = self._bind, None
-        written = self.buffer.finish_reduce(bind=bind, hook=self.all_reduce_hook)
+        defer = self.training_state == TrainingState.POST_BACKWARD
+        written = self.buffer.finish_reduce(bind=bind, hook=self.all_reduce_hook, defer=defer)
+        self._run_grad_hooks(written)
+
+    def resolve_grads(self) -> None:
+        """Bind the gradients whose verdict `finish_reduce` left pending."""
+        self._run_grad_hooks(self.buffer.resolve_grads())
+
+    def _run_grad_hooks(self, written: list[bool]) -> None:
         # Hooks registered on the sharded parameters run once their gradient is written (as
         # torch's, e.g. an optimizer step in backward): autograd never accumulates into them.
         for p, w in zip(self.sharded, written):
@@ -259,6 +271,7 @@ class ParamGroup:
             self.post_backward(ctx)
         if wait:
             self.finish_reduce()
+        self.resolve_grads()
         if self.reshard_after_backward and self.is_unsharded and self.reduce_grads:
             self.reshard()
         elif not self.is_unsharded and self.buffer.is_unsharded:
@@ -271,6 +284,7 @@ class ParamGroup:
         self.buffer.wait_unshard()
         self._bind = None
         self.buffer._reduce = None
+        self.buffer._pending = None
         self.buffer._partial = None
         self._grads_live = False
         self._has_grad = [False] * len(self.sharded)

@@ -13,15 +13,11 @@ reaches the same verdict:
 How the ranks agree (`GradPresence`, the optimizers' `grad_agreement`, default "auto"):
 - Plain tensors (one process, DDP-style replicas): each rank's own verdict, no communication.
 - DTensors declared symmetric (`declare_symmetric_grads`): their own verdict, no communication.
-  This is what `veragged.fully_shard` guarantees: every rank holding part of a parameter reads
-  the same grad/None verdict from the reduce-scatter ([Note: unreached parameters]); a rank
-  holding none of it answers from its own backward, which agrees whenever the ranks reached the
-  same parameters (torch's condition), and with `set_reduce_scatter_unused_params(True)` every
-  trainable parameter has a gradient everywhere. Data-dependent routing (MoE experts that some
-  ranks' batches skip) needs one of the two, or `grad_agreement="mesh"`: with Muon a rank
-  holding nothing of a matrix must still know whether it travels. (Not wired yet: fully_shard
-  does not declare its parameters, which one `declare_symmetric_grads` call on the sharded
-  parameters a DBuffer makes would do; until then they take the all-reduce below.)
+  This is what `veragged.fully_shard`'s backward guarantees: every rank of the mesh, including
+  one holding none of a parameter, reads the same grad/None verdict from the reduce-scatter,
+  whatever each rank's data reached ([Note: unreached parameters]). (Not wired: fully_shard
+  does not declare its parameters, since a user may still drop gradients by hand on some
+  ranks; they take the all-reduce below.)
 - Other DTensors (`veragged.distribute_tensor`'d or torch's fully_shard parameters, gradients
   set by hand): one MAX all-reduce of one byte per parameter, all of a mesh's parameters in one
   tensor, over all the ranks of the parameters' own device mesh: the mesh dim's group when one

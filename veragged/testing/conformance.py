@@ -38,7 +38,9 @@ limit is raised to match). Ports alias `FSDPTestMultiThread = FSDPTest`: ranks a
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import importlib.util
 import inspect
 import os
@@ -55,9 +57,10 @@ from torch.testing._internal.common_utils import TestCase, set_rng_seed
 from veragged.placement import distribute_tensor
 from veragged.testing.pool import get_pool
 
-__all__ = ["IMPLS", "DEFAULT_TIMEOUT_S", "FSDPTest", "check_sharded_parity",
-           "compiled_fsdp_test", "device_type", "distribute_tensor", "fully_shard", "impl_name",
-           "instantiate_conformance_tests", "torch_only"]
+__all__ = ["IMPLS", "DEFAULT_TIMEOUT_S", "FSDPTest", "RegisterPostBackwardFunction",
+           "check_sharded_parity", "compiled_fsdp_test", "device_type", "distribute_tensor",
+           "fully_shard", "impl_name", "instantiate_conformance_tests",
+           "patch_register_post_backward_hook_backward", "torch_only"]
 
 IMPLS = ("torch", "veragged")
 DEFAULT_TIMEOUT_S = 120.0
@@ -67,6 +70,9 @@ device_type = "cpu"
 
 _IMPL = "torch"  # implementation under test in this (rank) process; set by _run_test
 _IN_RANK = False  # True while a rank runs a shipped test body
+# VERAGGED_CONFORMANCE_TORCH_ONLY=run runs the torch_only tests on veragged too (to audit the
+# marks: each should fail there for the reason it gives, or its mark should go).
+_RUN_TORCH_ONLY = os.environ.get("VERAGGED_CONFORMANCE_TORCH_ONLY", "") == "run"
 
 
 def impl_name() -> str:
@@ -108,8 +114,112 @@ class _FullyShard:
     def __repr__(self) -> str:
         return f"<conformance fully_shard -> {_IMPL}>"
 
+    def state(self, module: Any) -> Any:
+        """`fully_shard.state(module)` of the implementation under test (torch's composable
+        API gives the function this attribute; an implementation without it raises the
+        AttributeError a user's call would)."""
+        return _impl_fully_shard().state(module)
+
 
 fully_shard = _FullyShard()
+
+
+class _ImplClass:
+    """A private class of FSDP2 that torch's tests patch, standing for the implementation's own
+    class of the same role: attribute reads and writes go to torch's class or veragged's,
+    per `impl_name()` at the time of the access."""
+
+    def __init__(self, torch_path: str, veragged_path: str):
+        object.__setattr__(self, "_paths", {"torch": torch_path, "veragged": veragged_path})
+
+    def resolve(self) -> type:
+        module_name, _, cls_name = self._paths[_IMPL].rpartition(".")
+        return getattr(importlib.import_module(module_name), cls_name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.resolve(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.resolve(), name, value)
+
+    def __repr__(self) -> str:
+        return f"<conformance {self._paths[_IMPL]}>"
+
+
+# FSDP2's autograd function whose backward runs the post-backward of a module's parameters;
+# veragged's has the same role and signature (`backward(ctx, *grads)`).
+RegisterPostBackwardFunction = _ImplClass(
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group.RegisterPostBackwardFunction",
+    "veragged.fsdp.state.RegisterPostBackwardFunction",
+)
+
+
+@contextlib.contextmanager
+def patch_register_post_backward_hook_backward(new_backward: Callable):
+    """torch's `common_fsdp.patch_register_post_backward_hook_backward`, on the class of the
+    implementation under test (see `RegisterPostBackwardFunction`)."""
+    cls = RegisterPostBackwardFunction.resolve()
+    orig_backward = cls.backward
+    dist.barrier()
+    cls.backward = new_backward
+    try:
+        yield
+    finally:
+        dist.barrier()
+        cls.backward = orig_backward
+
+
+def _code_of(fn: Any) -> Any:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(inspect.unwrap(fn), "__code__", None)
+
+
+def _running(code: Any, depth: int = 64) -> bool:
+    frame = sys._getframe(2)
+    while frame is not None and depth > 0:
+        if frame.f_code is code:
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
+@contextlib.contextmanager
+def _collectives_through_public_names():
+    """While a test runs, the legacy names `dist.reduce_scatter_tensor` and
+    `dist.all_gather_into_tensor` (in torch >= 2.15 aliases of `reduce_scatter_single` and
+    `all_gather_single`) call those through the `torch.distributed` namespace, so torch's
+    `patch_reduce_scatter` / `patch_all_gather` (which replace `dist.reduce_scatter_single` /
+    `dist.all_gather_single`) see every reduce-scatter and all-gather of either implementation,
+    whichever name it calls; unpatched, nothing changes. Called from inside the patched
+    function (a port keeping `orig = dist.reduce_scatter_tensor`), a legacy name is torch's
+    collective itself, so the patch runs once per collective."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pairs = [(legacy, single) for legacy, single in (
+        ("reduce_scatter_tensor", "reduce_scatter_single"),
+        ("all_gather_into_tensor", "all_gather_single"),
+    ) if hasattr(c10d, single) and hasattr(dist, single)]
+    originals = {legacy: getattr(dist, legacy) for legacy, _ in pairs}
+
+    def forwarder(single: str) -> Callable:
+        real = getattr(c10d, single)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            patched = getattr(dist, single)
+            if patched is real or _running(_code_of(patched)):
+                return real(*args, **kwargs)
+            return patched(*args, **kwargs)
+
+        return call
+
+    for legacy, single in pairs:
+        setattr(dist, legacy, forwarder(single))
+    try:
+        yield
+    finally:
+        for legacy, original in originals.items():
+            setattr(dist, legacy, original)
 
 
 def compiled_fsdp_test(compile_compute_on_module: Optional[type] = None):
@@ -297,13 +407,14 @@ def _run_test(path: str, module_name: str, qualname: str, method: str,
         test = cls(method)
         own_setup = getattr(cls.setUp, "_conformance_wrapped", False)
         own_teardown = getattr(cls.tearDown, "_conformance_wrapped", False)
-        if own_setup:
-            test.setUp()
-        try:
-            getattr(test, method)()
-        finally:
-            if own_teardown:
-                test.tearDown()
+        with _collectives_through_public_names():
+            if own_setup:
+                test.setUp()
+            try:
+                getattr(test, method)()
+            finally:
+                if own_teardown:
+                    test.tearDown()
         torch._dynamo.reset()
     except unittest.SkipTest as exc:
         return str(exc) or "skipped"
@@ -323,7 +434,7 @@ def instantiate_conformance_tests(scope: dict) -> None:
         for impl in IMPLS:
             namespace = {"__module__": base.__module__, "__qualname__": f"{name}_{impl}",
                          "_conformance_impl": impl}
-            if impl != "torch":
+            if impl != "torch" and not _RUN_TORCH_ONLY:
                 for attr_name in dir(base):
                     reason = getattr(getattr(base, attr_name), "_conformance_torch_only", None)
                     if attr_name.startswith("test") and reason is not None:

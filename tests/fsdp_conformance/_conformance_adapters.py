@@ -1,0 +1,249 @@
+"""Each implementation's own equivalents of the FSDP2 internals that some of torch's tests read.
+
+torch's tests marked `torch_only` in the ports read FSDP2's private state (`FSDPState`,
+`FSDPParamGroup`, `FSDPParam`) or patch its private classes. Their adapted copies
+(`test_adapted_*.py`) run the same steps and assertions against both implementations through
+these functions, which return torch's private value for the torch variant and veragged's value
+of the same meaning (`veragged.fsdp.state.FSDPState`, `veragged.fsdp.group.ParamGroup`) for the
+veragged variant. Nothing here changes what either implementation does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import Shard
+
+from veragged.testing.conformance import impl_name
+
+__all__ = [
+    "all_states", "group_max_input_buffers", "groups_of", "is_root", "lazy_init",
+    "max_input_buffers", "module_fqn", "modules_to_run_forward", "param_fqns", "record_events",
+    "reduce_dtype", "shard_dim", "state_of",
+]
+
+
+def _torch() -> bool:
+    return impl_name() == "torch"
+
+
+def state_of(module: nn.Module) -> Any:
+    """The fully_shard state of `module` (torch: `fully_shard.state(module)`)."""
+    if _torch():
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard.state(module)
+    return module._get_fsdp_state()
+
+
+def lazy_init(module: nn.Module) -> None:
+    """Run the lazy initialisation a first forward through `module` would run."""
+    if _torch():
+        state_of(module)._lazy_init()
+    else:
+        state_of(module).lazy_init()
+
+
+def is_root(module: nn.Module) -> Optional[bool]:
+    state = state_of(module)
+    return state._is_root if _torch() else state.is_root
+
+
+def all_states(module: nn.Module) -> list:
+    """The states of the tree `module`'s state belongs to, in the root's order."""
+    state = state_of(module)
+    return list(state._state_ctx.all_states if _torch() else state.ctx.all_states)
+
+
+def groups_of(module: nn.Module) -> list:
+    """The parameter groups of `module`'s fully_shard call (torch: FSDPParamGroups; veragged:
+    one ParamGroup per DBuffer)."""
+    state = state_of(module)
+    return list(state._fsdp_param_groups if _torch() else state.groups)
+
+
+def _names(root: nn.Module) -> dict[int, str]:
+    return {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+
+
+def module_fqn(root: nn.Module, group: Any) -> str:
+    """The fqn (from `root`) of the module(s) whose fully_shard call made `group`, joined by
+    ", " for a call on several modules (torch's `FSDPParamGroup._module_fqn`)."""
+    if _torch():
+        return group._module_fqn
+    names = _names(root)
+    for state_module in root.modules():
+        state = getattr(state_module, "_veragged_state", None)
+        if state is not None and any(g is group for g in state.groups):
+            return ", ".join(names[id(m)] for m in state.modules)
+    raise AssertionError(f"{group!r} belongs to no fully_shard call under the root")
+
+
+def param_fqns(root: nn.Module, group: Any) -> set[str]:
+    """The fqns (from `root`) of `group`'s parameters (torch's `FSDPParam._param_fqn`)."""
+    if _torch():
+        return {p._param_fqn for p in group.fsdp_params}
+    prefix = module_fqn(root, group)
+    state_modules = next(
+        s.modules for m in root.modules()
+        if (s := getattr(m, "_veragged_state", None)) is not None
+        and any(g is group for g in s.groups)
+    )
+    if len(state_modules) > 1:  # veragged names them "<index>.<fqn>" within the call
+        names = _names(root)
+        return {
+            f"{names[id(state_modules[int(i)])]}.{rest}".lstrip(".")
+            for i, _, rest in (f.partition(".") for f in group.fqns)
+        }
+    return {f"{prefix}.{f}" if prefix else f for f in group.fqns}
+
+
+def modules_to_run_forward(module: nn.Module) -> set:
+    state = state_of(module)
+    return set(state._modules_to_run_forward if _torch() else state.modules_to_run)
+
+
+def max_input_buffers(root: nn.Module) -> int:
+    """The reduce-scatter input-buffer cap the tree resolved to (torch: the comm context's)."""
+    state = state_of(root)
+    return state._comm_ctx.reduce_scatter_max_input_buffers if _torch() else state.ctx.max_reducing
+
+
+def group_max_input_buffers(module: nn.Module) -> int:
+    """The cap set on `module`'s own fully_shard call (torch keeps it per parameter group)."""
+    if _torch():
+        return groups_of(module)[0].reduce_scatter_max_input_buffers
+    return state_of(module).max_reduce_scatter_buffers
+
+
+def reduce_dtype(module: nn.Module) -> Optional[torch.dtype]:
+    """The dtype `module`'s fully_shard call reduces gradients in, once lazily initialised
+    (torch: `FSDPParamGroup._reduce_dtype`, resolved over the trainable parameters, or over the
+    floating-point ones if none is trainable; veragged: the reduce dtype of the DBuffers of those
+    same parameters, None unless they agree)."""
+    if _torch():
+        return groups_of(module)[0]._reduce_dtype
+    floating = [g for g in groups_of(module) if g.buffer.dtype.is_floating_point]
+    trainable = [g for g in floating if any(p.requires_grad for p in g.sharded)]
+    dtypes = {g.buffer.reduce_dtype for g in trainable or floating}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def shard_dim(placement: Any) -> Optional[int]:
+    """The tensor dim a data-parallel placement cuts (`Shard(d)`: d; a RaggedShard that keeps
+    rows of dim 0 whole, the layout veragged gives `Shard(0)`: 0; element-wise RaggedShard or
+    anything else: None)."""
+    if isinstance(placement, Shard):
+        return placement.dim
+    dims = getattr(placement, "dims", None)
+    if dims is not None and getattr(placement, "local_units", None) is not None:
+        return 0 if tuple(dims) == (0,) else None
+    return None
+
+
+@contextlib.contextmanager
+def record_events(
+    root: nn.Module, events: list, *, unshard: bool = True, reshard: bool = False,
+    post_backward: bool = True,
+) -> Iterator[None]:
+    """Record `(event, module_fqn, training_state_name)` for the implementation's group
+    `unshard` / `reshard` / `post_backward` calls, as torch's tests do by patching
+    `FSDPParamGroup` (`_get_unshard_with_record` etc. in test_fully_shard_comm.py): no-op
+    unshards (already unsharded or gathering) and the no-op forward reshards of groups that keep
+    their parameters are skipped (for veragged also a reshard of a group that holds nothing
+    unsharded, which frees nothing: veragged calls it on every group at lazy init, where torch's
+    groups get no reshard call); a post-backward is recorded after it ran, with the state it
+    left.
+
+    veragged starts a prefetch's all-gather without changing the target group's state (torch
+    sets the target's state to the phase it prefetches for, FORWARD or PRE_BACKWARD, around the
+    call); an unshard of a group that is not in its own forward or backward (state IDLE, or
+    POST_BACKWARD after an earlier backward of a module run twice) is labelled with that phase:
+    PRE_BACKWARD while autograd runs a backward, FORWARD otherwise.
+    """
+    if _torch():
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+        from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import (
+            FSDPParamGroup as cls,
+        )
+
+        def unshard_event(group) -> Optional[tuple]:
+            if group._all_gather_result is None and group._sharded_state != ShardedState.UNSHARDED:
+                return ("unshard", group._module_fqn, group._training_state.name)
+            return None
+
+        def reshard_skipped(group) -> bool:
+            return (group._training_state == TrainingState.FORWARD
+                    and not group._reshard_after_forward)
+
+        def label(group) -> tuple:
+            return group._module_fqn, group._training_state.name
+    else:
+        from veragged.fsdp.group import ParamGroup as cls
+        from veragged.fsdp.group import TrainingState
+
+        def state_name(group) -> str:
+            if group.training_state in (TrainingState.IDLE, TrainingState.POST_BACKWARD):
+                # A prefetch: the group is not running its own forward or backward.
+                in_backward = torch._C._current_graph_task_id() != -1
+                return "PRE_BACKWARD" if in_backward else "FORWARD"
+            return group.training_state.name
+
+        def unshard_event(group) -> Optional[tuple]:
+            if not group.buffer.is_unsharded:
+                return ("unshard", module_fqn(root, group), state_name(group))
+            return None
+
+        def reshard_skipped(group) -> bool:
+            if not group.is_unsharded and not group.buffer.is_unsharded:
+                return True  # nothing to free: a no-op (veragged re-registers at lazy init)
+            return group.training_state == TrainingState.FORWARD and not group.reshard_after_forward
+
+        def label(group) -> tuple:
+            return module_fqn(root, group), group.training_state.name
+
+    patches: dict[str, Callable] = {}
+    if unshard:
+        orig_unshard = cls.unshard
+
+        def unshard_with_record(self, *args, **kwargs):
+            event = unshard_event(self)
+            if event is not None:
+                events.append(event)
+            return orig_unshard(self, *args, **kwargs)
+
+        patches["unshard"] = unshard_with_record
+    if reshard:
+        orig_reshard = cls.reshard
+
+        def reshard_with_record(self, *args, **kwargs):
+            if reshard_skipped(self):
+                return None
+            events.append(("reshard", *label(self)))
+            return orig_reshard(self, *args, **kwargs)
+
+        patches["reshard"] = reshard_with_record
+    if post_backward:
+        orig_post_backward = cls.post_backward
+
+        def post_backward_with_record(self, *args, **kwargs):
+            ret = orig_post_backward(self, *args, **kwargs)
+            events.append(("post_backward", *label(self)))
+            return ret
+
+        patches["post_backward"] = post_backward_with_record
+    originals = {name: getattr(cls, name) for name in patches}
+    dist.barrier()
+    for name, fn in patches.items():
+        setattr(cls, name, fn)
+    try:
+        yield
+    finally:
+        dist.barrier()
+        for name, fn in originals.items():
+            setattr(cls, name, fn)
