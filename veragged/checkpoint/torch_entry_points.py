@@ -109,8 +109,10 @@ def _distribute_ragged(
 
 
 def _wrap(original: Callable, body: Callable) -> Callable:
+    """`body` dressed as `original` (name, docstring, signature through `__wrapped__`), its
+    module left as this one's, so that help() and tracebacks show the routing."""
     wrapper = functools.wraps(original)(body)
-    wrapper.__veragged_routed__ = True
+    wrapper.__module__ = __name__
     return wrapper
 
 
