@@ -1,0 +1,56 @@
+"""benchmarks/lora_bytes.py --quick: a LoRA model (base frozen before fully_shard) on 2 and 4
+gloo ranks; backward's reduce-scatter bytes of veragged.fully_shard against torch's
+([Note: frozen parameters] in veragged/fsdp/api.py). Bytes are counted, not timed, so they are
+asserted."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from veragged.dbuffer.memory import ALIGN_BYTES
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def rows():
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "lora_bytes.py"), "--quick", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [(r["world"], r["scenario"]) for r in result["rows"]] == [(2, "lora"), (4, "lora")]
+    return result["rows"]
+
+
+def test_lora_backward_reduces_only_the_adapters(rows):
+    for r in rows:
+        t, v = r["torch"], r["veragged"]
+        assert r["grad_names_match"] and r["grad_max_diff"] < 1e-6, r  # the same gradients
+        assert t["same_on_all_ranks"] and v["same_on_all_ranks"], r
+        assert v["trainable"] == t["trainable"] and t["rs_bytes"] == 4 * t["trainable"], r
+        # One reduce-scatter per block, as torch; what it scatters is the gradient buffer of a
+        # DBuffer holding trainable parameters, and the frozen DBuffers send nothing.
+        assert len(v["rs_calls"]) == len(t["rs_calls"]) == 4, r
+        assert sorted(v["rs_calls"]) == sorted(v["dbuffer_grad_bytes"]), r
+        # At most the adapters' gradients plus each rank's slot's verdict flags
+        # ([Note: unreached parameters]: 4 tensors per DBuffer here, so one ALIGN_BYTES per
+        # rank per DBuffer); before cf0e5ef the whole model: 1,085,440 B on 2 ranks.
+        flags = len(v["rs_calls"]) * r["world"] * ALIGN_BYTES
+        assert v["rs_bytes"] <= t["rs_bytes"] + flags, r
+        assert v["grad_buf_max"] <= t["grad_buf_max"] + r["world"] * ALIGN_BYTES, r
+        assert v["ar_bytes"] == t["ar_bytes"] == 0, r
+
+
+@pytest.mark.xfail(strict=True, reason="the verdict flags ([Note: unreached parameters]) add "
+                   "ALIGN_BYTES per rank per trainable DBuffer to the reduce-scatter: 34,816 B "
+                   "vs torch's 32,768 B on 2 ranks, 36,864 B vs 32,768 B on 4 (issue 25 item 8)")
+def test_lora_reduce_scatter_bytes_at_most_torch(rows):
+    for r in rows:
+        assert r["veragged"]["rs_bytes"] <= r["torch"]["rs_bytes"], r
+        assert r["veragged"]["grad_buf_max"] <= r["torch"]["grad_buf_max"], r
