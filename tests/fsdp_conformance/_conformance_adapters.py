@@ -22,8 +22,8 @@ from veragged.testing.conformance import impl_name
 
 __all__ = [
     "all_states", "group_max_input_buffers", "groups_of", "is_root", "lazy_init",
-    "max_input_buffers", "module_fqn", "modules_to_run_forward", "param_fqns", "record_events",
-    "reduce_dtype", "shard_dim", "state_of",
+    "managed_param_fqns", "max_input_buffers", "module_fqn", "modules_to_run_forward",
+    "param_fqns", "param_locations", "record_events", "reduce_dtype", "shard_dim", "state_of",
 ]
 
 
@@ -67,7 +67,11 @@ def groups_of(module: nn.Module) -> list:
 
 
 def _names(root: nn.Module) -> dict[int, str]:
-    return {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+    """Module id -> its first fqn under `root` (a module held twice keeps its first name)."""
+    names: dict[int, str] = {}
+    for name, m in root.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), name)
+    return names
 
 
 def module_fqn(root: nn.Module, group: Any) -> str:
@@ -86,7 +90,13 @@ def module_fqn(root: nn.Module, group: Any) -> str:
 def param_fqns(root: nn.Module, group: Any) -> set[str]:
     """The fqns (from `root`) of `group`'s parameters (torch's `FSDPParam._param_fqn`)."""
     if _torch():
-        return {p._param_fqn for p in group.fsdp_params}
+        if all(p._param_fqn is not None for p in group.fsdp_params):  # set at lazy init
+            return {p._param_fqn for p in group.fsdp_params}
+        names = _names(root)
+        return {
+            f"{names[id(p._module_info.module)]}.{p._module_info.param_name}".lstrip(".")
+            for p in group.fsdp_params
+        }
     prefix = module_fqn(root, group)
     state_modules = next(
         s.modules for m in root.modules()
@@ -100,6 +110,25 @@ def param_fqns(root: nn.Module, group: Any) -> set[str]:
             for i, _, rest in (f.partition(".") for f in group.fqns)
         }
     return {f"{prefix}.{f}" if prefix else f for f in group.fqns}
+
+
+def managed_param_fqns(root: nn.Module, module: nn.Module) -> set[str]:
+    """The fqns (from `root`) of the parameters `module`'s fully_shard call manages (torch's
+    `_get_managed_states` of `_get_managed_modules`, as sharded into its groups)."""
+    return set().union(*(param_fqns(root, g) for g in groups_of(module)))
+
+
+def param_locations(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Per parameter of `module`'s fully_shard call, in the call's order, every (module,
+    attribute name) that holds it (torch's `ParamModuleInfo`: the module and name, then the
+    shared modules and names; veragged's `ParamGroup.locations`)."""
+    if _torch():
+        return [
+            [(info.module, info.param_name),
+             *zip(info.shared_modules, info.shared_param_names)]
+            for g in groups_of(module) for info in (p._module_info for p in g.fsdp_params)
+        ]
+    return [list(places) for g in groups_of(module) for places in g.locations]
 
 
 def modules_to_run_forward(module: nn.Module) -> set:
@@ -134,14 +163,16 @@ def reduce_dtype(module: nn.Module) -> Optional[torch.dtype]:
 
 
 def shard_dim(placement: Any) -> Optional[int]:
-    """The tensor dim a data-parallel placement cuts (`Shard(d)`: d; a RaggedShard that keeps
-    rows of dim 0 whole, the layout veragged gives `Shard(0)`: 0; element-wise RaggedShard or
-    anything else: None)."""
+    """The tensor dim a data-parallel placement shards (`Shard(d)`: d). veragged gives
+    `shard_placement_fn -> Shard(0)` as a RaggedShard whose rank boundaries fall between rows of
+    dim 0: `dims=(0,)` (rows of dim 0), or `dims=()` (the tensor whole on one rank, which cuts
+    no row); both are 0 here. A RaggedShard that cuts inside rows (veragged's default,
+    element-wise) or any other placement: None."""
     if isinstance(placement, Shard):
         return placement.dim
     dims = getattr(placement, "dims", None)
     if dims is not None and getattr(placement, "local_units", None) is not None:
-        return 0 if tuple(dims) == (0,) else None
+        return 0 if tuple(dims) in ((), (0,)) else None
     return None
 
 

@@ -18,8 +18,8 @@
 #     that differs in type from the FSDP (accelerator) mesh). Kept although degenerate on CPU:
 #     the device-move tests (CPU -> CPU) and test_custom_hook_custom_stream (its stream is
 #     torch.cpu's stand-in Stream: only the set_all_reduce_hook(stream=...) API is exercised);
-#   - `fully_shard.state(module)` (torch_only tests) -> `_torch_fully_shard.state(module)`: the
-#     harness's dispatching `fully_shard` is a plain function without torch's `.state`;
+#   - `fully_shard.state(module)` is the harness's, which returns the state of the
+#     implementation under test (veragged.fully_shard has no `.state`);
 #   - `distribute_tensor` comes from veragged.testing.conformance (`veragged.distribute_tensor`,
 #     as `check_sharded_parity` uses): test_rank0_broadcast_meta_device_init distributes full
 #     tensors with the sharded parameters' placements, which torch's `distribute_tensor` accepts
@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import replicate
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard as _torch_fully_shard, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_init import (
     _get_managed_modules,
     _get_managed_states,
@@ -80,8 +80,15 @@ from veragged.testing.conformance import (
 
 device_type = torch.device(_conformance_device_type)
 
-_PRIVATE = "inspects FSDP2's private state/helpers"
-_SHARD0 = "inspects Shard(0) placements / torch.chunk local shard shapes"
+_PRIVATE = (
+    "inspects FSDP2's private state/helpers (the managed-module and param-module-info tests "
+    "call torch's private helpers on unsharded modules, never veragged). Adapted copy, "
+    "through each implementation's own state: test_adapted_init.py"
+)
+_SHARD0 = (
+    "inspects Shard(0) placements / torch.chunk local shard shapes. Adapted copy, checking "
+    "each local tensor against its own placement (or the sharded dim): test_adapted_init.py"
+)
 
 
 class TestFullyShardDeviceTensor(FSDPTest):
@@ -535,11 +542,11 @@ class TestFullyShardLazyInit(FSDPTest):
         fully_shard(model[0].in_proj)
         fully_shard(model[0].out_proj)
         fully_shard(model)  # root gets `model[1]`
-        root_state = _torch_fully_shard.state(model)
+        root_state = fully_shard.state(model)
         root_state._lazy_init()
 
-        model0_in_proj_state = _torch_fully_shard.state(model[0].in_proj)
-        model0_out_proj_state = _torch_fully_shard.state(model[0].out_proj)
+        model0_in_proj_state = fully_shard.state(model[0].in_proj)
+        model0_out_proj_state = fully_shard.state(model[0].out_proj)
         self.assertTrue(root_state._is_root)
         self.assertFalse(model0_in_proj_state._is_root)
         self.assertFalse(model0_out_proj_state._is_root)
@@ -565,7 +572,7 @@ class TestFullyShardLazyInit(FSDPTest):
         fully_shard(model[0].in_proj)
         fully_shard(model[0].out_proj)
         fully_shard(model)  # root gets `model[1]`
-        root_state = _torch_fully_shard.state(model)
+        root_state = fully_shard.state(model)
         root_state._lazy_init()
 
         root_param_group = root_state._fsdp_param_group
@@ -584,7 +591,7 @@ class TestFullyShardLazyInit(FSDPTest):
             },
         )
 
-        model0_in_proj_state = _torch_fully_shard.state(model[0].in_proj)
+        model0_in_proj_state = fully_shard.state(model[0].in_proj)
         model0_in_proj_param_group = model0_in_proj_state._fsdp_param_group
         self.assertIsNotNone(model0_in_proj_param_group)
         self.assertEqual(model0_in_proj_param_group._module_fqn, "0.in_proj")
@@ -596,7 +603,7 @@ class TestFullyShardLazyInit(FSDPTest):
             model0_in_proj_param_fqns, {"0.in_proj.weight", "0.in_proj.bias"}
         )
 
-        model0_out_proj_state = _torch_fully_shard.state(model[0].out_proj)
+        model0_out_proj_state = fully_shard.state(model[0].out_proj)
         model0_out_proj_param_group = model0_out_proj_state._fsdp_param_group
         self.assertIsNotNone(model0_out_proj_param_group)
         self.assertEqual(model0_out_proj_param_group._module_fqn, "0.out_proj")
@@ -614,8 +621,8 @@ class TestFullyShardLazyInit(FSDPTest):
         fully_shard(model[0].in_proj)
         fully_shard(model[0].out_proj)
         fully_shard(model)
-        root_state = _torch_fully_shard.state(model)
-        model0_in_proj_state = _torch_fully_shard.state(model[0].in_proj)
+        root_state = fully_shard.state(model)
+        model0_in_proj_state = fully_shard.state(model[0].in_proj)
         model0_in_proj_state._lazy_init()
         regex = (
             "FSDP state has already been lazily initialized for 0.in_proj\n"
@@ -628,7 +635,7 @@ class TestFullyShardLazyInit(FSDPTest):
     def test_fully_shard_multi_module_root(self):
         model = nn.Sequential(MLP(8), MLP(8))
         fully_shard([model[0], model[1]])
-        root_state = _torch_fully_shard.state(model[0])
+        root_state = fully_shard.state(model[0])
         regex = "FSDP requires a single root module but got "
         with self.assertRaisesRegex(RuntimeError, regex):
             root_state._lazy_init()
@@ -1025,7 +1032,8 @@ class TestFullyShardHSDPBroadcast(FSDPTest):
         "asserts that the local tensors of two replicas differ after filling one with 1337: "
         "torch.chunk gives every rank part of every parameter; RaggedShard keeps small "
         "parameters whole on one shard rank, so the other rank's local tensors are empty on "
-        "both replicas and compare equal"
+        "both replicas and compare equal. Adapted copy (that check on non-empty local "
+        "tensors): test_adapted_init.py::TestAdaptedHSDPBroadcast"
     )
     def test_hsdp_broadcast_across_replicas(self):
         shard_size, replicate_size = 2, 2
