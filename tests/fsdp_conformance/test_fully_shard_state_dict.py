@@ -64,8 +64,8 @@ class TestFullyShardStateDictMultiProcess(FSDPTest):
     @torch_only(
         "asserts that a rank whose local shard has data_ptr 0 (empty) is not rank 0 and holds "
         "zeros: torch.chunk pads only the last ranks, while a planned RaggedShard layout gives "
-        "a small parameter whole to one rank, so rank 0 holds none of some (the rest of the test "
-        "passes on veragged with that assertion removed, Shard(1) subtests included)"
+        "a small parameter whole to one rank, so rank 0 holds none of some. Adapted copy "
+        "without that assertion: test_adapted_state_dict.py"
     )
     def test_dp_state_dict_save_load(self):
         fsdp_mesh = init_device_mesh(device_type.type, (self.world_size,))
@@ -292,7 +292,7 @@ class TestFullyShardStateDictMultiProcess(FSDPTest):
 
     @torch_only(
         "asserts the torch.chunk layout as test_dp_state_dict_save_load does (an empty local "
-        "shard is never rank 0's); tests/fsdp/test_tp.py runs the rest of it on veragged"
+        "shard is never rank 0's). Adapted copy: test_adapted_state_dict.py"
     )
     def test_dp_tp_state_dict_save_load(self):
         dp_size = 2
@@ -329,7 +329,7 @@ class TestFullyShardStateDictMultiProcess(FSDPTest):
 
     @torch_only(
         "asserts the torch.chunk layout as test_dp_state_dict_save_load does (an empty local "
-        "shard is never rank 0's); tests/fsdp/test_tp.py runs the rest of it on veragged"
+        "shard is never rank 0's). Adapted copy: test_adapted_state_dict.py"
     )
     def test_hsdp_tp_state_dict_save_load(self):
         global_mesh = init_device_mesh(

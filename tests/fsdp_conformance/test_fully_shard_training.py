@@ -250,7 +250,10 @@ class TestFullyShardRegisteredParams(FSDPTestMultiThread):
             model(inp).sum().backward()
             self._assert_dtensor_params(model.parameters())
 
-    @torch_only("reads FSDPState._modules_to_run_forward through _get_fsdp_state()")
+    @torch_only(
+        "reads FSDPState._modules_to_run_forward through _get_fsdp_state(). Adapted copy "
+        "(veragged's FSDPState.modules_to_run): test_adapted_training.py"
+    )
     def test_modules_to_run_forward_empty_for_single_module(self):
         # ``_force_complete_incomplete_states`` guards on
         # ``_modules_to_run_forward`` being non-empty. Single-module
@@ -894,8 +897,8 @@ class TestFullyShard1DTrainingCompose(FSDPTest):
     @torch_only(
         "compares grad.to_local() of fully_shard([norm, head]) with norm and head sharded "
         "separately: a Shard(0) local shard does not depend on grouping, a RaggedShard one does "
-        "(one DBuffer plans the group's tensors together). Full-tensor parity of the same "
-        "pattern: tests/fsdp/test_lifecycle.py::test_chunked_head_grouped_matches_torch"
+        "(one DBuffer plans the group's tensors together). Adapted copy comparing full "
+        "tensors: test_adapted_training.py"
     )
     def test_partial_group_forward_then_standalone(self):
         """Chunked-loss pattern: model forward skips one module in a grouped
@@ -1116,8 +1119,8 @@ class TestFullyShard1DTrainingCompose(FSDPTest):
     @torch_only(
         "compares grad.to_local() of fully_shard([norm, head]) with norm and head sharded "
         "separately: a Shard(0) local shard does not depend on grouping, a RaggedShard one does "
-        "(one DBuffer plans the group's tensors together). Full-tensor parity of the same "
-        "pattern: tests/fsdp/test_lifecycle.py::test_chunked_head_grouped_matches_torch"
+        "(one DBuffer plans the group's tensors together). Adapted copy comparing full "
+        "tensors: test_adapted_training.py"
     )
     def test_partial_group_forward_grad_accum_chunked(self):
         """Chunked-loss + grad accumulation via set_requires_gradient_sync /
@@ -1177,7 +1180,10 @@ class TestFullyShard1DTrainingCompose(FSDPTest):
                 msg=f"grad mismatch for {name} after grad-accum + chunks",
             )
 
-    @torch_only("reads FSDPParamGroup.is_unsharded through _get_fsdp_state()")
+    @torch_only(
+        "reads FSDPParamGroup.is_unsharded through _get_fsdp_state(). Adapted copy "
+        "(veragged's ParamGroup.is_unsharded): test_adapted_training.py"
+    )
     def test_partial_group_reshard_toggle(self):
         """Reshard-flag toggle pattern used by torchtitan's ``ChunkedCELoss``:
         disable reshard_after_forward/backward for the chunk loop, then
