@@ -7,6 +7,14 @@ model must not hang, and its parameters and states must stay bitwise equal to th
 on full parameters fed the gradients a single process would see ([Note: symmetric grad
 presence]).
 
+A second stress trains a model with rank-dependent routing (veragged/testing/routing.py: each
+rank runs its own experts, some reached by no rank, expert tensors whole on one rank) through
+real forward and backward, clipping (torch's `clip_grad_norm_` and `veragged.clip_grad_norm_` on
+alternate steps) and torch's AdamW, veragged's Muon or AdamW8bit, with a DCP save and load every
+sample: every step the ranks must agree on which parameters have a gradient (exactly those a
+single process has), and the parameters must stay within float32 round-off of one process
+([Note: unreached parameters]).
+
 CI runs a short schedule; `VERAGGED_STRESS=1` runs the 1000-step one (sampled every 100 steps).
 """
 
@@ -19,7 +27,9 @@ from torch.distributed.tensor import DTensor
 import veragged
 from veragged.testing import get_mesh, run_on_ranks
 from veragged.testing.grads import set_grads
+from veragged.testing import routing
 from veragged.testing.llama import Llama, LlamaConfig, muon_param_groups
+from veragged.testing.pool import get_pool
 
 LONG = os.environ.get("VERAGGED_STRESS", "0") == "1"
 STEPS, SAMPLE = (1000, 100) if LONG else (12, 4)  # 12: every pattern three times
@@ -113,3 +123,63 @@ def test_asymmetric_grad_presence_stays_bitwise(name, world):
     for worst, seen in run_on_ranks(_stress, world, args=(name, STEPS, SAMPLE), timeout=timeout):
         assert seen == sorted(PATTERNS)
         assert worst == 0.0
+
+
+# --- rank-dependent routing, clipping and DCP -------------------------------------------------
+
+ROUTING_WORLD = 4
+# Every gradient is the one-process sum in another order (float32 round-off), and these
+# optimizers amplify round-off over many steps (AdamW8bit's 8-bit codes flip, Muon's
+# orthogonalisation), as they do in one process: its run with the loss perturbed by one rounding
+# (x (1 + 2**-22)) drifts from the unperturbed one about as far as veragged's does (measured over
+# 300 steps: AdamW ~5e-7, Muon ~3e-5, AdamW8bit ~0.2 for both). The bound: 4x that drift, at least
+# 1e-6. A real error (a step taken or skipped wrongly) moves a parameter by ~lr at once.
+ROUTING_PERTURBATION = 2.0**-22
+
+
+def _routing_stress(name, steps, sample, path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ROUTING_WORLD,))
+    saved = []
+
+    def on_sample(step, model, opt):
+        saved.append(routing.dcp_roundtrip(model, opt, f"{path}/step{step}"))
+        samples.append([_full(p) for p in model.parameters()])
+
+    samples = []
+    out = routing.train(steps, ROUTING_WORLD, mesh=mesh, optim=name, clip="alternate",
+                        record_grads=False, sample=sample, on_sample=on_sample)
+    out["dcp"], out["samples"] = saved, samples
+    return out
+
+
+def _one_process_samples(name, loss_factor):
+    samples = []
+
+    def on_sample(step, model, opt):
+        samples.append([p.detach().clone() for p in model.parameters()])
+
+    out = routing.train(STEPS, ROUTING_WORLD, optim=name, clip="alternate", record_grads=False,
+                        sample=SAMPLE, on_sample=on_sample, loss_factor=loss_factor)
+    return out, samples
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon", "adamw8bit", "shampoo", "soap"])
+def test_rank_dependent_routing_with_clipping_and_dcp(name, tmp_path):
+    timeout = 3000 if LONG else 300
+    res = get_pool(ROUTING_WORLD).run(_routing_stress, name, STEPS, SAMPLE, str(tmp_path),
+                                      timeout=timeout)
+    ref, ref_samples = _one_process_samples(name, 1.0)
+    _, perturbed = _one_process_samples(name, 1.0 + ROUTING_PERTURBATION)
+    assert all(not all(p) for p in ref["present"])  # every step: a parameter nobody reached
+    bounds = [max(1e-6, 4 * max((a - b).abs().max().item() for a, b in zip(x, y)))
+              for x, y in zip(perturbed, ref_samples)]
+    for out in res:
+        assert out["present"] == ref["present"]  # the same gradients exist, on every rank
+        assert out["state"] == ref["state"]
+        assert all(d["keys_agree"] and d["loaded"] for d in out["dcp"]), out["dcp"]
+        assert len(out["samples"]) == len(ref_samples)
+        for k, (params, ref_params) in enumerate(zip(out["samples"], ref_samples)):
+            worst = max((a - b).abs().max().item() for a, b in zip(params, ref_params))
+            assert worst <= bounds[k], (name, (k + 1) * SAMPLE, worst, bounds[k])

@@ -55,8 +55,12 @@ class Routed(nn.Module):
         self.out = nn.Linear(DIM, 4)
 
     def forward(self, x: torch.Tensor, route: list[int]) -> torch.Tensor:
+        """The mean squared error against targets drawn with `x` (its last 4 columns,
+        independent of the rest: the loss stays away from 0, so do the gradients, and Muon's
+        orthogonalisation stays well conditioned over long runs)."""
+        x, target = x[:, :DIM], x[:, DIM:]
         h = torch.tanh(self.inp(x * self.scale))
-        return self.out(self.moe(h, route)).float().pow(2).mean()
+        return (self.out(self.moe(h, route)).float() - target).pow(2).mean()
 
 
 def routes(step: int, world: int) -> list[list[int]]:
@@ -71,8 +75,9 @@ def routes(step: int, world: int) -> list[list[int]]:
 
 
 def batch(step: int, rank: int, micro: int = 0) -> torch.Tensor:
+    """Rank `rank`'s inputs at `step` (micro-batch `micro`), their targets in 4 more columns."""
     g = torch.Generator().manual_seed(100003 * step + 101 * rank + micro)
-    return torch.randn(3, DIM, generator=g)
+    return torch.randn(3, DIM + 4, generator=g)
 
 
 def one_process_loss(model: Routed, step: int, world: int, micro: int = 0,
@@ -105,8 +110,8 @@ def shard(model: Routed, mesh, impl: str = "veragged", unused: bool = False,
 
 
 def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
-    """torch's AdamW ("adamw"), veragged's Muon (matrices; vectors on its AdamW) or AdamW8bit
-    (8-bit state for tensors of >= 512 elements, blocks of 256)."""
+    """torch's AdamW ("adamw"), or veragged's Muon (matrices; vectors on its AdamW), AdamW8bit
+    (8-bit state for tensors of >= 512 elements, blocks of 256), Shampoo or SOAP."""
     import veragged
 
     if name == "adamw":
@@ -116,6 +121,11 @@ def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     if name == "adamw8bit":
         return veragged.optim.AdamW8bit(model.parameters(), lr=1e-2, weight_decay=0.1,
                                         min_8bit_size=512)
+    if name == "shampoo":  # roots every 2 steps
+        return veragged.optim.Shampoo(model.parameters(), lr=1e-3, weight_decay=0.01,
+                                      betas=(0.9, 0.999), precondition_frequency=2)
+    if name == "soap":  # bases refreshed every 3 steps
+        return veragged.optim.SOAP(model.parameters(), lr=1e-3, precondition_frequency=3)
     raise ValueError(f"make_optimizer: unknown optimizer {name!r}")
 
 
@@ -136,7 +146,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def train(steps: int, world: int, *, mesh=None, impl: str = "veragged", unused: bool = False,
           optim: str = "adamw", clip: str = "torch", scaler: bool = False, micro: int = 1,
-          record_grads: bool = True, sample: int = 1, on_sample=None, on_shard=None) -> dict:
+          record_grads: bool = True, sample: int = 1, on_sample=None, on_shard=None,
+          loss_factor: float = 1.0) -> dict:
     """Train `Routed` for `steps` steps on `world` ranks' data: under `fully_shard` on `mesh`
     (this rank's data and route), or in one process (`mesh=None`: the mean of every rank's
     loss). Each step: `micro` micro-batches (gradient sync on the last one only, each its own
@@ -150,7 +161,9 @@ def train(steps: int, world: int, *, mesh=None, impl: str = "veragged", unused: 
     parameters with optimizer state. `on_shard(model)` runs once the model is sharded; every
     `sample` steps (and after the last), `on_sample(step, model, opt)` runs if given. Under
     fully_shard the ranks' has-gradient verdicts are compared before anything reads a gradient:
-    a disagreement raises instead of pairing mismatched collectives."""
+    a disagreement raises instead of pairing mismatched collectives. `loss_factor` multiplies
+    every loss: 1 + 2**-22 perturbs a run by about one rounding, which shows how far round-off
+    alone moves its trajectory."""
     import torch.distributed as dist
 
     import veragged
@@ -173,12 +186,12 @@ def train(steps: int, world: int, *, mesh=None, impl: str = "veragged", unused: 
             if mesh is not None:
                 if micro > 1:
                     model.set_requires_gradient_sync(mb == micro - 1)
-                loss = model(batch(step, rank, mb), rs[rank]) / micro
+                loss = model(batch(step, rank, mb), rs[rank]) / micro * loss_factor
                 out["losses"].append(loss.item())
             else:
                 losses = [model(batch(step, r, mb), rs[r]) / micro for r in range(world)]
                 out["losses"].append([x.item() for x in losses])
-                loss = sum(losses) / world
+                loss = sum(losses) / world * loss_factor
             (amp.scale(loss) if amp is not None else loss).backward()
         present = tuple(p.grad is not None for p in params)
         if mesh is not None:
