@@ -51,7 +51,10 @@ post-backward) the read is started without waiting (a copy to pinned host memory
 an accelerator) and the gradients of those tensors are bound at the end of backward
 (`resolve_grads`, from `finalize_backward`), so backward does not stall the host per group; any
 later use of the buffer (the next reduction, `apply_`) resolves first. Tensors this rank reached
-are bound when their reduction finishes, as before.
+are bound when their reduction finishes; hooks on the sharded parameters (an optimizer step in
+backward) run when the gradient is bound, so for the others at the end of backward.
+(tests/fsdp/test_routing.py: ranks reaching different experts, holding none of some, through
+clipping, the optimizers, GradScaler and DCP; tests/stress: the same over many steps.)
 """
 
 from __future__ import annotations
