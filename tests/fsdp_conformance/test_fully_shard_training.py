@@ -14,6 +14,8 @@
 # aten._scaled_dot_product_flash_attention_for_cpu, which has no DTensor sharding strategy) and
 # TestFullyShardShareCommContext (wraps FSDP2's private foreach_reduce with the signature of a
 # torch newer than 2.15: TypeError with torch 2.15).
+# TestFSDPDivergentRanks (and its SomeUnusedParamModel) is added from a newer version of the file
+# (see the comment above the class).
 #
 # `check_sharded_parity` is imported from veragged.testing.conformance: torch's assertions, with
 # the reference distributed by veragged.distribute_tensor (torch's rejects RaggedShard).
@@ -23,6 +25,7 @@ import copy
 import functools
 import gc
 import itertools
+import threading
 import unittest
 from collections import defaultdict
 from collections.abc import Iterable
@@ -75,6 +78,7 @@ from veragged.testing.conformance import (
     FSDPTest,
     fully_shard,
     instantiate_conformance_tests,
+    torch_fails,
     torch_only,
 )
 
@@ -2292,6 +2296,182 @@ class TestFullyShardWorldSize1(FSDPTest):
             optim.step()
 
             self.assertEqual(losses[0], losses[1])
+
+
+# From the version of this file at Continuous-Integrator/pytorch@13626c67 (a mirror of
+# pytorch/pytorch; the versions of pytorch/pytorch in the search index predate these tests).
+# Changes, device only: `torch.cuda.set_device(self.rank)` is not called on CPU, the device is
+# `device_type` (no per-rank index: a CPU device takes none), and the backward-completion check
+# waits on `torch.cpu.synchronize()` for `torch.cuda.synchronize(device)`.
+class SomeUnusedParamModel(nn.Module):
+    def __init__(self, use_sometimes: bool):
+        super().__init__()
+        self.always_used = nn.Linear(8, 8, bias=False)
+        self.sometimes_used = nn.Linear(8, 8, bias=False)
+        self.frozen_layer = nn.Linear(8, 8, bias=False)
+        self.frozen_layer.weight.requires_grad = False
+        self._use_sometimes = use_sometimes
+
+    def forward(self, x):
+        out = self.always_used(x)
+        if self._use_sometimes:
+            out += self.sometimes_used(x)
+        out += self.frozen_layer(x)
+        return out
+
+    @property
+    def use_sometimes(self) -> bool:
+        return self._use_sometimes
+
+    @use_sometimes.setter
+    def use_sometimes(self, value: bool):
+        self._use_sometimes = value
+
+
+class TestFSDPDivergentRanks(FSDPTest):
+    """
+    This test makes sure that even when a layer is sometimes used during the forward of the backward computation
+    in FSDP, the fsdp_params will gather all the params with the requires_grad=True flag so the reduce-scatter
+    will receive the same input size for all ranks.
+    """
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    @torch_fails(
+        "rank 1 does not use sometimes_used, and torch 2.15's FSDPParamGroup reduce-scatters "
+        "only the parameters with gradients, a rank-dependent size (gloo: connection reset); "
+        "the later torch this test comes from reduce-scatters every requires_grad parameter"
+    )
+    def test_unused_param_grad_no_deadlock(self):
+        device = device_type
+        model = SomeUnusedParamModel(use_sometimes=self.rank == 0).to(device)
+        cloned_param_list = [p.clone() for p in model.parameters()]
+        fully_shard(model)
+
+        x = torch.randn(2, 8, device=device)
+
+        loss = model(x).sum()
+        loss.backward()
+
+        sync_done = threading.Event()
+        sync_thread = threading.Thread(
+            target=lambda: (torch.cpu.synchronize(), sync_done.set()),
+            daemon=True,
+        )
+        sync_thread.start()
+        local_ok = sync_done.wait(timeout=10)
+
+        gloo_pg = dist.new_group(backend="gloo")
+        result = torch.tensor([int(local_ok)])
+        dist.all_reduce(result, op=dist.ReduceOp.MIN, group=gloo_pg)
+        dist.destroy_process_group(gloo_pg)
+
+        if result.item() == 0:
+            self.fail(
+                "Backward reduce-scatter deadlocked due to mismatched gradient "
+                "tensor sizes across ranks."
+            )
+
+        for param, param_clone in zip(
+            model.parameters(), cloned_param_list, strict=True
+        ):
+            self.assertEqual(
+                param.full_tensor(),
+                param_clone,
+                "FSDP backward should not corrupt values.",
+            )
+
+    def test_unused_param_optimizer_state_unchanged(self):
+        """
+        Test for divergent rank behavior where a parameter group is unused on both ranks.
+        """
+        device = device_type
+
+        model = SomeUnusedParamModel(use_sometimes=True).to(device)
+        fully_shard(model)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+        x = torch.randn(2, 8, device=device)
+
+        # Step 1: use both params to initialize optimizer state
+        loss = model(x).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+        # Snapshot optimizer state for sometimes_used after it was legitimately used
+        sometimes_param = model.sometimes_used.weight
+        state_after_use = {
+            "exp_avg": optimizer.state[sometimes_param]["exp_avg"].clone(),
+            "exp_avg_sq": optimizer.state[sometimes_param]["exp_avg_sq"].clone(),
+            "step": optimizer.state[sometimes_param]["step"].clone(),
+        }
+
+        # Step 2: do NOT use sometimes_used
+        model.use_sometimes = False
+        loss = model(x).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+        # Optimizer state for sometimes_used should NOT have changed
+        # If the bug exists (fsdp_param appended instead of None),
+        # a zero grad flows through reduce-scatter and Adam updates state
+        state_after_skip = optimizer.state[sometimes_param]
+        self.assertEqual(
+            state_after_use["exp_avg"],
+            state_after_skip["exp_avg"],
+            msg="exp_avg changed for unused param — zero grad corrupted momentum",
+        )
+        self.assertEqual(
+            state_after_use["exp_avg_sq"],
+            state_after_skip["exp_avg_sq"],
+            msg="exp_avg_sq changed for unused param — zero grad corrupted adaptive LR",
+        )
+
+    @torch_fails(
+        "rank 1 does not use sometimes_used, and torch 2.15's FSDPParamGroup reduce-scatters "
+        "only the parameters with gradients, a rank-dependent size (gloo: connection reset); "
+        "the later torch this test comes from reduce-scatters every requires_grad parameter"
+    )
+    def test_rank_divergent_shard_consistency(self):
+        """
+        Test for divergent rank behavior where a parameter group is unused on one rank and used on the other.
+        """
+        device = device_type
+
+        # Rank 0 uses sometimes_used, rank 1 does not
+        model = SomeUnusedParamModel(use_sometimes=self.rank == 0).to(device)
+        fully_shard(model)
+
+        x = torch.randn(2, 8, device=device)
+        loss = model(x).sum()
+        loss.backward()
+
+        # check if gradient was written back to sometimes_used on each rank
+        grad = model.sometimes_used.weight.grad
+        has_grad = grad is not None
+
+        # Gather has_grad from all ranks
+        has_grad_tensor = torch.tensor([int(has_grad)], device=device)
+        gathered = [
+            torch.zeros(1, device=device, dtype=torch.int64)
+            for _ in range(self.world_size)
+        ]
+        dist.all_gather(gathered, has_grad_tensor)
+        rank0_has_grad = gathered[0].item()
+        rank1_has_grad = gathered[1].item()
+
+        # Both ranks should have gradient for sometimes_used since rank 0 used it.
+        # If rank 1 has no gradient, then the optimizer will not update anything for rank 1's shard
+        # leading to inconsistencies in the shards amongst ranks.
+        self.assertTrue(
+            rank0_has_grad and rank1_has_grad,
+            f"Gradient not set on all ranks (rank0={bool(rank0_has_grad)}, rank1={bool(rank1_has_grad)}) "
+            "This indicates that the shard after reduce-scatter is inconsistent.",
+        )
 
 
 instantiate_conformance_tests(globals())

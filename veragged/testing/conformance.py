@@ -31,7 +31,10 @@ torch's placements to torch's `distribute_tensor`, returning what it returns; po
 distribute a full tensor with a sharded parameter's placements import it from here),
 `check_sharded_parity` (torch's, distributing the reference with that `distribute_tensor`),
 `torch_only(reason)` (skips a test that inspects FSDP2's private state on the veragged
-class), `compiled_fsdp_test` (torch's decorator, patching the dispatching `fully_shard`), and
+class), `torch_fails(reason)` (skips, on the torch class, a test from a newer torch that the
+installed torch's own fully_shard fails), `RegisterPostBackwardFunction` and
+`patch_register_post_backward_hook_backward` (FSDP2's private autograd function, or veragged's of
+the same role, per class), `fully_shard.state`, `compiled_fsdp_test` (torch's decorator, patching the dispatching `fully_shard`), and
 `FSDPTest.conformance_timeout_s` (per-class limit of one test, default 120 s; pytest-timeout's
 limit is raised to match). Ports alias `FSDPTestMultiThread = FSDPTest`: ranks are processes.
 """
@@ -60,7 +63,7 @@ from veragged.testing.pool import get_pool
 __all__ = ["IMPLS", "DEFAULT_TIMEOUT_S", "FSDPTest", "RegisterPostBackwardFunction",
            "check_sharded_parity", "compiled_fsdp_test", "device_type", "distribute_tensor",
            "fully_shard", "impl_name", "instantiate_conformance_tests",
-           "patch_register_post_backward_hook_backward", "torch_only"]
+           "patch_register_post_backward_hook_backward", "torch_fails", "torch_only"]
 
 IMPLS = ("torch", "veragged")
 DEFAULT_TIMEOUT_S = 120.0
@@ -305,6 +308,18 @@ def torch_only(reason: str) -> Callable:
     return decorator
 
 
+def torch_fails(reason: str) -> Callable:
+    """Mark a test, taken from a torch newer than the installed one, that the installed torch's
+    own `fully_shard` fails (a bug fixed after it): its `_torch` variant is skipped with
+    `reason`, the `_veragged` variant runs."""
+
+    def decorator(fn):
+        fn._conformance_torch_fails = reason
+        return fn
+
+    return decorator
+
+
 class FSDPTest(TestCase):
     """Stands in for torch's `common_fsdp.FSDPTest` and `FSDPTestMultiThread`.
 
@@ -439,6 +454,13 @@ def instantiate_conformance_tests(scope: dict) -> None:
                     reason = getattr(getattr(base, attr_name), "_conformance_torch_only", None)
                     if attr_name.startswith("test") and reason is not None:
                         namespace[attr_name] = unittest.skip(f"torch_only: {reason}")(
+                            getattr(base, attr_name))
+            if impl == "torch":
+                for attr_name in dir(base):
+                    reason = getattr(getattr(base, attr_name), "_conformance_torch_fails", None)
+                    if attr_name.startswith("test") and reason is not None:
+                        namespace[attr_name] = unittest.skip(
+                            f"torch {torch.__version__} fails it: {reason}")(
                             getattr(base, attr_name))
             if _PYTEST_TIMEOUT:  # pytest-timeout's limit follows the class's own
                 import pytest
