@@ -341,11 +341,13 @@ def make_seed(module: str, config: str, args: list[str], folder: str) -> None:
             trainer.close()
 
 
-def train(impl: str, module: str, config: str, args: list[str], folder: str) -> dict:
+def train(impl: str, module: str, config: str, args: list[str], folder: str,
+          full_params: bool = False) -> dict:
     """Train with torchtitan's Trainer from the seed checkpoint in `folder`; the logged metrics.
 
-    Returns {"loss": [...], "grad_norm": [...], "shards": {kind: count}} where `shards` counts
-    the placements of the sharded parameters (to show which fully_shard ran).
+    Returns {"loss": [...], "grad_norm": [...], "shards": {kind: count}, "params": ...} where
+    `shards` counts the placements of the sharded parameters (to show which fully_shard ran) and
+    `params` is, on rank 0 with `full_params`, every trained parameter in full (else None).
     """
     titan = _titan()
     run = os.path.join(folder, f"run_{impl}")
@@ -379,6 +381,12 @@ def train(impl: str, module: str, config: str, args: list[str], folder: str) -> 
                         type(pl).__name__ for pl in getattr(p, "placements", ()))
                     shards[kind] = shards.get(kind, 0) + 1
             trainer.train()
+            params = None
+            if full_params:
+                params = {name: p.detach().full_tensor().clone()
+                          for part in trainer.model_parts for name, p in part.named_parameters()}
         finally:
             trainer.close()
-    return {"loss": losses, "grad_norm": norms, "shards": shards}
+    if dist.get_rank() != 0:
+        params = None
+    return {"loss": losses, "grad_norm": norms, "shards": shards, "params": params}
