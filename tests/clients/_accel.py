@@ -5,7 +5,8 @@ transformer-based wrap of LlamaDecoderLayer, cpu_ram_efficient_loading=True,
 state_dict_type="FULL_STATE_DICT"))`, a tiny HF Llama whose weights only rank 0 holds (the
 others build theirs from other seeds: with `cpu_ram_efficient_loading`, accelerate broadcasts
 rank 0's through torch's `distribute_tensor`), `accelerator.prepare(model, optimizer)`, training
-with `accelerator.backward` and `accelerator.clip_grad_norm_`, `save_state` after step 2 (full
+with `accelerator.backward` and `accelerator.clip_grad_norm_` (max_norm 1e9: computed, never
+binding), `save_state` after step 2 (full
 model and optimizer state dicts on rank 0), `get_state_dict` at the end, then `load_state` (torch's
 `set_model_state_dict(..., broadcast_from_rank0=True)`) and step 3 replayed from it.
 
@@ -37,13 +38,18 @@ def _batch(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=gen)
 
 
-def _step(accelerator, model, opt, step: int) -> float:
+def _step(accelerator, model, opt, step: int, norms: list | None = None) -> float:
     ids = _batch(step, dist.get_rank())
     loss = model(input_ids=ids, labels=ids).loss
     accelerator.backward(loss)
-    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    # Clipping that never binds (the coefficient clamps to exactly 1.0): the norm is computed
+    # and returned, but a binding max_norm would scale by a coefficient whose last bits depend
+    # on each rank's local shard, and the implementations' shard boundaries differ.
+    norm = accelerator.clip_grad_norm_(model.parameters(), 1e9)
     opt.step()
     opt.zero_grad()
+    if norms is not None:
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
     return loss.detach().item()
 
 
@@ -87,13 +93,13 @@ def run(impl: str, folder: str, steps: int = 4) -> dict:
         kinds = sorted({type(p).__name__ + ":" + ",".join(type(pl).__name__ for pl in p.placements)
                         for p in model.parameters()})
         ckpt = os.path.join(folder, f"accelerate_{impl}")
-        losses = []
+        losses, norms = [], []
         for step in range(steps):
-            losses.append(_step(accelerator, model, opt, step))
+            losses.append(_step(accelerator, model, opt, step, norms))
             if step == 1:
                 accelerator.save_state(ckpt)
         final = accelerator.get_state_dict(model)
         accelerator.load_state(ckpt)
         replayed = _step(accelerator, model, opt, 2)
-    return {"loss": losses, "replayed": replayed, "kinds": kinds,
+    return {"loss": losses, "norm": norms, "replayed": replayed, "kinds": kinds,
             "state": {k: v.clone() for k, v in final.items()} if rank == 0 else None}

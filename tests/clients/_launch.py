@@ -16,7 +16,7 @@ from veragged.testing.pool import RankPool
 _POOLS: dict[int, RankPool] = {}
 
 
-def client_pool(world_size: int, timeout_s: float = 300.0) -> RankPool:
+def client_pool(world_size: int, timeout_s: float = 600.0) -> RankPool:
     """The session's pool of `world_size` ranks for client jobs (created on first use)."""
     if world_size not in _POOLS:
         _POOLS[world_size] = RankPool(world_size, timeout_s)
