@@ -96,13 +96,28 @@ class ParamGroup:
         if not self.buffer.is_unsharded:
             return
         self.buffer.wait_unshard()
-        for u, s in zip(self.unsharded, self.sharded):
-            if u.requires_grad != s.requires_grad:  # requires_grad_() after fully_shard
-                u.requires_grad_(s.requires_grad)
+        self._sync_requires_grad()
         self._register(self.unsharded)
         for u, view in zip(self.unsharded, self.views):
             if view is not None and view.spmd_types:
                 view.annotate(u)
+
+    def _sync_requires_grad(self) -> None:
+        """`requires_grad_()` after fully_shard reaches whichever parameter was registered:
+        the sharded one (between iterations) or the unsharded one (a root kept unsharded after
+        forward). The one that changed since the last sync wins; both then agree."""
+        last = getattr(self, "_requires_grad", None)
+        now = []
+        for i, (u, s) in enumerate(zip(self.unsharded, self.sharded)):
+            rg = s.requires_grad
+            if last is not None and rg == last[i] and u.requires_grad != rg:
+                rg = u.requires_grad  # set on the registered unsharded parameter
+                with torch._C.DisableTorchFunctionSubclass():  # no ragged accumulation hooks
+                    s.requires_grad_(rg)
+            if u.requires_grad != rg:
+                u.requires_grad_(rg)
+            now.append(rg)
+        self._requires_grad = now
 
     def reshard(self, post_forward: bool = False) -> None:
         """Register the sharded parameters again and free the unsharded buffer (after forward
