@@ -69,6 +69,14 @@ class ParamGroup:
             for v, p, view in zip(self.buffer.unsharded_params, self.sharded, self.views)
         ]
         self._hooked: set[int] = set()  # unsharded parameters with the has-grad hook
+        # As torch 2.15's FSDP2: autograd computes and sums the unsharded gradients in the
+        # reduce dtype (a bf16 parameter used twice sums its contributions in fp32), so they
+        # land without a rounding torch's does not make. torch 2.11 has no grad_dtype.
+        reduce_dtype = self.buffer.reduce_dtype
+        for u in self.unsharded:
+            if (hasattr(u, "grad_dtype") and u.dtype.is_floating_point
+                    and u.dtype != reduce_dtype):
+                u.grad_dtype = reduce_dtype
         for p in self.sharded:  # autograd never accumulates into them: no ragged hooks, so no
             p.__dict__["_veragged_fsdp"] = True  # weak reference blocks swap_tensors
 
