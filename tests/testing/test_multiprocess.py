@@ -1,4 +1,7 @@
-"""Tests for veragged.testing.run_on_ranks: results, collectives, meshes, failures and hangs."""
+"""Tests for veragged.testing.run_on_ranks: results, collectives, meshes, failures and hangs.
+
+run_on_ranks runs its calls on the session's rank pools (veragged.testing.pool) unless
+`fresh=True` spawns processes for the call; the failure reports are checked on both paths."""
 
 import os
 import signal
@@ -68,9 +71,9 @@ def _return_unpicklable():
     return lambda: None
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_results_are_returned_per_rank(world_size):
-    results = run_on_ranks(_rank_info, world_size, args=(100,))
+@pytest.mark.parametrize("world_size, fresh", [(1, False), (2, False), (4, False), (2, True)])
+def test_results_are_returned_per_rank(world_size, fresh):
+    results = run_on_ranks(_rank_info, world_size, args=(100,), fresh=fresh)
     assert results == [(100 + r, world_size, 1) for r in range(world_size)]
 
 
@@ -95,10 +98,11 @@ def test_two_by_two_mesh():
         assert info["tp_ranks"] == [2 * dp_coord, 2 * dp_coord + 1]
 
 
-def test_one_failing_rank_is_reported_quickly():
+@pytest.mark.parametrize("fresh", [False, True])
+def test_one_failing_rank_is_reported_quickly(fresh):
     start = time.monotonic()
     with pytest.raises(MultiRankError) as info:
-        run_on_ranks(_raise_on, 3, args=({1},), timeout=120)
+        run_on_ranks(_raise_on, 3, args=({1},), timeout=120, fresh=fresh)
     assert time.monotonic() - start < 60  # the blocked ranks are killed, not waited for
     message = str(info.value)
     assert isinstance(info.value, AssertionError)
@@ -116,10 +120,13 @@ def test_every_failing_rank_is_reported():
     assert {0, 1} <= set(info.value.failures)
 
 
-def test_hung_ranks_are_killed_at_the_timeout(tmp_path):
+@pytest.mark.parametrize("fresh", [False, True])
+def test_hung_ranks_are_killed_at_the_timeout(tmp_path, fresh):
+    if not fresh:  # the pool's start-up is not the call's: start it before the clock
+        run_on_ranks(_rank_info, 2, args=(0,))
     start = time.monotonic()
     with pytest.raises(MultiRankError) as info:
-        run_on_ranks(_hang_in_collective, 2, timeout=8, args=(str(tmp_path),))
+        run_on_ranks(_hang_in_collective, 2, timeout=8, args=(str(tmp_path),), fresh=fresh)
     assert time.monotonic() - start < 25
     message = str(info.value)
     assert "timed out after 8 s" in message and "ranks [0, 1] did not finish" in message
@@ -130,25 +137,28 @@ def test_hung_ranks_are_killed_at_the_timeout(tmp_path):
         assert "all_reduce" in info.value.failures[1]
 
 
-def test_rank_dying_without_exception_reports_exit_code():
+@pytest.mark.parametrize("fresh", [False, True])
+def test_rank_dying_without_exception_reports_exit_code(fresh):
     start = time.monotonic()
     with pytest.raises(MultiRankError) as info:
-        run_on_ranks(_exit_without_exception, 2, timeout=120)
+        run_on_ranks(_exit_without_exception, 2, timeout=120, fresh=fresh)
     assert time.monotonic() - start < 60
     assert "rank 1" in str(info.value) and "exit code 3" in str(info.value)
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGSEGV"), reason="needs POSIX signals")
-def test_crashing_rank_reports_signal_and_stack():
+@pytest.mark.parametrize("fresh", [False, True])
+def test_crashing_rank_reports_signal_and_stack(fresh):
     with pytest.raises(MultiRankError) as info:
-        run_on_ranks(_segfault, 1, timeout=120)
+        run_on_ranks(_segfault, 1, timeout=120, fresh=fresh)
     assert "killed by SIGSEGV" in info.value.failures[0]
     assert "_segfault" in info.value.failures[0]  # faulthandler's dump of the crash
 
 
-def test_unpicklable_result_is_reported():
+@pytest.mark.parametrize("fresh", [False, True])
+def test_unpicklable_result_is_reported(fresh):
     with pytest.raises(MultiRankError, match="return value of fn is not picklable"):
-        run_on_ranks(_return_unpicklable, 1, timeout=60)
+        run_on_ranks(_return_unpicklable, 1, timeout=60, fresh=fresh)
 
 
 @pytest.mark.parametrize(

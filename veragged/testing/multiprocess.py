@@ -3,47 +3,40 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import faulthandler
 import math
 import os
-import pathlib
 import pickle
 import shutil
 import signal
 import tempfile
 import time
 import traceback
-from multiprocessing import connection, get_context
+from multiprocessing import get_context
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from unittest import mock
+
+from veragged.testing._procs import (
+    _KILL_WAIT_S,
+    _THREAD_VARS,
+    MultiRankError,
+    _collect,
+    _die_with_parent,
+    _dump_stacks,
+    _join_all,
+    _raise_failures,
+    _shutdown,
+)
+from veragged.testing.pool import get_pool
 
 if TYPE_CHECKING:  # torch is imported lazily so that importing this module stays cheap.
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["MultiRankError", "get_mesh", "run_on_ranks"]
 
-_FAILURE_GRACE_S = 2.0  # after a failure, time left to the other ranks to report theirs
-_KILL_WAIT_S = 3.0  # bound on each step of shutting children down (terminate, then kill)
-_STACK_DUMP_WAIT_S = 1.0  # time given to hung ranks to write their stacks when signalled
-# Set to 1 in the ranks' environment so that several ranks do not oversubscribe the cores.
-_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-
 _MESH: Optional["DeviceMesh"] = None
 _STACK_FILE = None  # kept open in children: faulthandler writes to its file descriptor
-
-
-class MultiRankError(AssertionError):
-    """Raised by `run_on_ranks` when a rank raised, crashed or did not finish in time.
-
-    Attributes:
-        failures: rank -> report (traceback, exit code or stack dump) of each rank that failed.
-    """
-
-    def __init__(self, message: str, failures: dict[int, str]):
-        super().__init__(message)
-        self.failures = failures
 
 
 def get_mesh() -> "DeviceMesh":
@@ -70,15 +63,24 @@ def run_on_ranks(
     args: Sequence[Any] = (),
     kwargs: Optional[dict[str, Any]] = None,
     backend: str = "gloo",
+    fresh: bool = False,
 ) -> list[Any]:
-    """Run `fn(*args, **kwargs)` on `world_size` spawned processes and collect the results.
+    """Run `fn(*args, **kwargs)` on `world_size` ranks (processes) and collect the results.
 
-    Each rank runs in its own process with `torch.distributed` initialised (rendezvous through
-    a `FileStore` in a fresh temporary directory, so no port is ever fixed), a CPU device mesh
+    Each rank runs in its own process with `torch.distributed` initialised, a CPU device mesh
     available through `get_mesh()`, one intra-op thread, and `torch.manual_seed(0)` applied
     identically on every rank so that tests can build the same data everywhere. As soon as a
     rank fails, the others (usually blocked in a collective) are killed after a short grace
     period; every wait is bounded by `timeout`.
+
+    The ranks are those of the session's pool of `world_size` ranks (`get_pool`, see
+    veragged.testing.pool), started once and reused: a fresh rank costs seconds of CPU
+    (interpreter start, `import torch`), far more than most test jobs. So `fn` follows the
+    pool's contract: it keeps no mesh or process group for a later call (the pool destroys the
+    groups each call made) and leaves no process-wide setting changed. `fresh=True`, or a
+    `backend` other than gloo, spawns new processes for this call only (rendezvous through a
+    `FileStore` in a fresh temporary directory, so no port is ever fixed), for code that needs
+    a pristine interpreter.
 
     Args:
         fn: function to run; it must be picklable, i.e. defined at module level of a module
@@ -86,10 +88,11 @@ def run_on_ranks(
         world_size: number of ranks (processes), at least 1.
         mesh_shape: shape of the device mesh (1-D or 2-D); defaults to `(world_size,)`.
         mesh_dim_names: optional names of the mesh dimensions, one per dimension.
-        timeout: overall limit in seconds, process start-up included.
+        timeout: limit in seconds of the call (with `fresh`, process start-up included).
         args: positional arguments for `fn`; must be picklable.
         kwargs: keyword arguments for `fn`; must be picklable.
         backend: `torch.distributed` backend; the default `"gloo"` is the one that works on CPU.
+        fresh: spawn new processes for this call instead of using the rank pool.
 
     Returns:
         The return values of `fn`, indexed by rank (each must be picklable).
@@ -101,14 +104,39 @@ def run_on_ranks(
             `timeout`; its message holds the traceback, exit code or stack dump of each such rank.
     """
     mesh_shape = _check_mesh(world_size, mesh_shape, mesh_dim_names)
+    names = tuple(mesh_dim_names) if mesh_dim_names else None
+    args, kwargs = tuple(args), dict(kwargs or {})
     try:
-        job = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
+        job = pickle.dumps((fn, args, kwargs))
     except Exception as exc:
         raise TypeError(f"run_on_ranks: fn and its arguments must be picklable "
                         f"(define fn at module level): {exc!r}") from exc
     label = f"run_on_ranks({getattr(fn, '__qualname__', fn)!s}, world_size={world_size})"
-    config = (world_size, mesh_shape, tuple(mesh_dim_names) if mesh_dim_names else None,
-              backend, float(timeout), os.getpid())
+    if fresh or backend != "gloo":
+        config = (world_size, mesh_shape, names, backend, float(timeout), os.getpid())
+        return _spawn_ranks(label, config, job, timeout)
+    return get_pool(world_size)._run(_on_mesh, (fn, mesh_shape, names, args, kwargs), {},
+                                     float(timeout), label)
+
+
+def _on_mesh(fn: Callable[..., Any], mesh_shape: tuple[int, ...],
+             mesh_dim_names: Optional[tuple[str, ...]], args: tuple, kwargs: dict) -> Any:
+    """A `run_on_ranks` call as one job of a pool rank: `fn` with its mesh, seeded as fresh."""
+    global _MESH
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _MESH = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_dim_names)
+    try:
+        torch.manual_seed(0)  # identical on every rank on purpose: same data everywhere
+        return fn(*args, **kwargs)
+    finally:
+        _MESH = None  # the pool destroys the mesh's groups after the job
+
+
+def _spawn_ranks(label: str, config: tuple, job: bytes, timeout: float) -> list[Any]:
+    """`run_on_ranks` on processes spawned for this call (see `_child_main`)."""
+    world_size = config[0]
     tmpdir = tempfile.mkdtemp(prefix="veragged_ranks_")
     ctx = get_context("spawn")
     procs, readers = [], {}
@@ -151,104 +179,6 @@ def _check_mesh(world_size, mesh_shape, mesh_dim_names) -> tuple[int, ...]:
         raise ValueError(f"mesh_dim_names {tuple(mesh_dim_names)} must name each of the "
                          f"{len(shape)} dimensions of mesh_shape {shape}")
     return shape
-
-
-def _collect(readers: dict, deadline: float) -> tuple[list, list[int]]:
-    """Read one report per rank until all arrived, a failure's grace expired or the deadline.
-
-    Returns the reports as (rank, kind, payload) in order of arrival, kind being "ok",
-    "error" (payload: traceback) or "died" (no report), and the ranks that sent nothing.
-    """
-    pending = dict(readers)
-    reports = []
-    grace_end = math.inf
-    while pending:
-        wait_s = min(deadline, grace_end) - time.monotonic()
-        if wait_s <= 0:
-            break
-        for conn in connection.wait(list(pending), timeout=wait_s):
-            rank = pending.pop(conn)
-            try:
-                kind, payload = pickle.loads(conn.recv_bytes())
-            except EOFError:
-                kind, payload = "died", None
-            except Exception:
-                kind, payload = "error", f"unreadable report:\n{traceback.format_exc()}"
-            reports.append((rank, kind, payload))
-            if kind != "ok" and grace_end == math.inf:
-                grace_end = time.monotonic() + _FAILURE_GRACE_S
-    return reports, sorted(pending.values())
-
-
-def _dump_stacks(procs: list, ranks: list[int]) -> None:
-    """Ask still-running ranks to write their Python stacks (see `_child_main`)."""
-    if hasattr(signal, "SIGUSR1"):
-        for rank in ranks:
-            with contextlib.suppress(ProcessLookupError, TypeError):  # gone, or never started
-                os.kill(procs[rank].pid, signal.SIGUSR1)
-        time.sleep(_STACK_DUMP_WAIT_S)
-
-
-def _join_all(procs: list, wait_s: float) -> None:
-    end = time.monotonic() + wait_s
-    for proc in procs:
-        if proc.pid is not None:
-            proc.join(max(0.0, end - time.monotonic()))
-
-
-def _shutdown(procs: list) -> None:
-    """Terminate, then kill, every child still alive; each step is bounded."""
-    for method in ("terminate", "kill"):
-        alive = [p for p in procs if p.pid is not None and p.is_alive()]
-        for proc in alive:
-            getattr(proc, method)()
-        _join_all(alive, _KILL_WAIT_S)
-
-
-def _exit_description(code: Optional[int]) -> str:
-    if code is not None and -code in signal.valid_signals():
-        return f"killed by {signal.Signals(-code).name}, exit code {code}"
-    return f"exit code {code}"
-
-
-def _read_stack(tmpdir: str, rank: int) -> str:
-    path = pathlib.Path(tmpdir, f"rank{rank}.stack")  # absent if the rank never got started
-    return path.read_text(errors="replace").strip() if path.exists() else ""
-
-
-def _raise_failures(label: str, reports: list, pending: list[int], procs: list,
-                    tmpdir: str, timeout: float) -> None:
-    """Raise a MultiRankError describing every failed or unfinished rank."""
-    failures: dict[int, str] = {}
-    for rank, kind, payload in reports:
-        if kind == "error":
-            failures[rank] = payload
-        elif kind == "died":
-            stack = _read_stack(tmpdir, rank)  # written by faulthandler on a fatal signal
-            failures[rank] = (f"process died without reporting a result "
-                              f"({_exit_description(procs[rank].exitcode)})"
-                              + (f"; Python stacks at the crash:\n{stack}" if stack else ""))
-    if failures:
-        head = f"{label}: ranks {sorted(failures)} failed (rank {next(iter(failures))} first)"
-        if pending:
-            head += f"; ranks {pending} were still running and have been killed"
-    else:
-        head = f"{label} timed out after {timeout:g} s; ranks {pending} did not finish"
-        for rank in pending:
-            stack = _read_stack(tmpdir, rank)
-            failures[rank] = ("did not finish; Python stacks at the timeout:\n" + stack
-                              if stack else "did not finish (no stack dump available)")
-    parts = [head] + [f"\n----- rank {rank} -----\n{text.rstrip()}"
-                      for rank, text in failures.items()]
-    raise MultiRankError("\n".join(parts), failures)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Make this child die with the test process, so that no orphan stays blocked forever."""
-    with contextlib.suppress(AttributeError, OSError):  # Linux only; elsewhere timeouts bound it
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def _child_main(rank: int, config: tuple, job: bytes, tmpdir: str, writer) -> None:

@@ -1,13 +1,13 @@
 """A persistent pool of gloo ranks that runs one job after another, for fast multi-rank tests.
 
-`run_on_ranks` (veragged.testing.multiprocess) spawns fresh processes for every call, which
-costs seconds per test (interpreter start, `import torch`, rendezvous). A `RankPool` pays that
-once: its `world_size` processes initialise `torch.distributed` (gloo, FileStore rendezvous in a
-temporary directory, one intra-op thread) and then run jobs `(fn, args, kwargs)` sent by the
-parent. After each job every rank calls `dist.barrier()` (so that no rank starts the next job
-while a peer is still inside the previous one), destroys the process groups the job created
-(`_release_job_groups`: idle gloo groups cost CPU) and calls `torch.manual_seed(0)`. A job must
-therefore not keep meshes or groups for the next one.
+A fresh rank costs seconds of CPU (interpreter start, `import torch`, rendezvous), more than
+most test jobs; a `RankPool` pays that once per session (`run_on_ranks` runs its calls on these
+pools too): its `world_size` processes initialise `torch.distributed` (gloo, FileStore
+rendezvous in a temporary directory, one intra-op thread) and then run jobs `(fn, args,
+kwargs)` sent by the parent. After each job every rank calls `dist.barrier()` (so that no rank
+starts the next job while a peer is still inside the previous one), destroys the process groups
+the job created (`_release_job_groups`: idle gloo groups cost CPU) and calls
+`torch.manual_seed(0)`. A job must therefore not keep meshes or groups for the next one.
 
 Any failure (a rank raising, dying, or not finishing in time) raises `MultiRankError` with every
 failed rank's report and tears the pool down: the ranks' collectives may be out of step, so the
@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import datetime
 import faulthandler
+import gc
 import os
 import pickle
 import shutil
@@ -35,7 +36,7 @@ from multiprocessing import get_context
 from typing import Any, Callable, Optional
 from unittest import mock
 
-from veragged.testing.multiprocess import (
+from veragged.testing._procs import (
     _THREAD_VARS,
     MultiRankError,
     _collect,
@@ -85,6 +86,12 @@ class RankPool:
         the job cannot be pickled, `MultiRankError` (an AssertionError) if a rank failed.
         """
         timeout = self.timeout_s if timeout is None else float(timeout)
+        label = f"RankPool.run({getattr(fn, '__qualname__', fn)!s}, world_size={self.world_size})"
+        return self._run(fn, args, kwargs, timeout, label)
+
+    def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float,
+             label: str) -> list[Any]:
+        """`run` with the label its errors start with (run_on_ranks names its own call)."""
         try:
             job = pickle.dumps((fn, args, kwargs))
         except Exception as exc:
@@ -92,7 +99,6 @@ class RankPool:
                             f"(define fn at module level): {exc!r}") from exc
         if not self.alive:
             self._start()
-        label = f"RankPool.run({getattr(fn, '__qualname__', fn)!s}, world_size={self.world_size})"
         try:
             for conn in self._jobs:
                 with contextlib.suppress(OSError):  # a dead rank shows up as "died" below
@@ -197,10 +203,9 @@ def _release_job_groups() -> int:
     something still does, the threads stay, and the parent restarts the pool once a rank has
     more than `_RECYCLE_THREADS`. Returns this rank's thread count (0 where /proc is missing).
     """
-    import gc
-
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.distributed_c10d import GroupMember, _world
     from torch.distributed.tensor import DTensor
 
@@ -225,8 +230,32 @@ def _release_job_groups() -> int:
     for cache in (spmd._MESHES, dtensor._SPECS, norms._NORM_SPECS):
         cache.clear()
     gc.collect()
+    # Meshes that outlive their job (kept by torch's caches: the redistribute planner's
+    # transform infos, the collective cost model's topology, ...) hold their groups in
+    # `_pg_registry` (newer torch). Those groups are destroyed: dropping them frees their
+    # threads, and torch resolves a group by name outside torch.compile tracing anyway.
+    live = {id(pg) for pg in _world.pg_map}
+    for obj in gc.get_objects():
+        mesh = issubclass(type(obj), DeviceMesh)  # (isinstance would read obj.__class__)
+        registry = getattr(obj, "_pg_registry", None) if mesh else None
+        if registry:
+            for name in [n for n, pg in registry.items() if id(pg) not in live]:
+                del registry[name]
     tasks = f"/proc/{os.getpid()}/task"
     return len(os.listdir(tasks)) if os.path.isdir(tasks) else 0
+
+
+def _freeze_start_up() -> None:
+    """Take what start-up imported (torch and veragged: ~300k objects) out of the collector's
+    view (`gc.freeze`): `_release_job_groups` collects after every job, which cost 0.2 s of CPU
+    per rank and job over those objects, and 1 ms without them."""
+    import veragged.dbuffer.spmd  # noqa: F401 - what _release_job_groups and most jobs import
+    import veragged.fsdp  # noqa: F401
+    import veragged.optim.pieces  # noqa: F401
+    import veragged.placement.norms  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
 
 
 def _worker_main(rank: int, config: tuple, jobs, reports) -> None:
@@ -248,6 +277,7 @@ def _worker_main(rank: int, config: tuple, jobs, reports) -> None:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         dist.barrier()
+        _freeze_start_up()
         torch.manual_seed(0)
         reports.send_bytes(pickle.dumps(("ok", None)))
     except BaseException:
@@ -265,10 +295,17 @@ def _worker_main(rank: int, config: tuple, jobs, reports) -> None:
             result = fn(*args, **kwargs)
             dist.barrier()  # no rank moves on while a peer is still in this job
             del fn, args, kwargs
-            report = pickle.dumps(("ok", (result, _release_job_groups())))
+            threads = _release_job_groups()
+            try:
+                report = pickle.dumps(("ok", (result, threads)))
+            except Exception:
+                report = pickle.dumps(("error", "the return value of fn is not picklable:\n"
+                                                + traceback.format_exc()))
+            del result
         except BaseException:
             report = pickle.dumps(("error", traceback.format_exc()))
         torch.manual_seed(0)
         reports.send_bytes(report)
+    gc.unfreeze()  # let finalization see them (nanobind reports instances it never freed)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
