@@ -33,6 +33,8 @@ from veragged.testing.pool import get_pool
 
 LONG = os.environ.get("VERAGGED_STRESS", "0") == "1"
 STEPS, SAMPLE = (1000, 100) if LONG else (12, 4)  # 12: every pattern three times
+# the long schedule outlasts pytest-timeout's default (pyproject: 300 s)
+pytestmark = [pytest.mark.timeout(3600)] if LONG else []
 CFG = LlamaConfig(vocab=64, dim=64, layers=2, heads=4, hidden=128, max_seq=9)
 # dim 64: every matrix has >= 4096 elements in 256-element blocks, so AdamW8bit quantises them all
 PATTERNS = ("all", "some", "none", "mixed")
