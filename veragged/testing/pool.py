@@ -229,7 +229,11 @@ def _release_job_groups() -> int:
         native()
     for cache in (spmd._MESHES, dtensor._SPECS, norms._NORM_SPECS):
         cache.clear()
-    gc.collect()
+    # Until a pass finds nothing: a fully_shard model (which holds its groups in its DBuffers)
+    # can need more than one (one on a 2-D mesh was unreachable only after the first pass).
+    for _ in range(4):
+        if not gc.collect():
+            break
     # Meshes that outlive their job (kept by torch's caches: the redistribute planner's
     # transform infos, the collective cost model's topology, ...) hold their groups in
     # `_pg_registry` (newer torch). Those groups are destroyed: dropping them frees their
