@@ -69,7 +69,9 @@ client_fail() {
 if [[ "${VERAGGED_CLIENTS:-1}" != "0" ]]; then
   start=$SECONDS
   pin=$(mktemp)  # nothing here may replace the installed torch
-  "$PY" -c "import torch; print('torch==' + torch.__version__)" >"$pin"
+  # Without the local part (+cu132, +cpu): an older pip in the torchtune venv rejects every
+  # candidate torch against a local-version pin, and ==X.Y.Z matches X.Y.Z+anything anyway.
+  "$PY" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" >"$pin"
   mapfile -t todo < <(not_installed "$PY" "${CLIENTS[@]}")
   if ((${#todo[@]})); then
     echo "install: client packages ${todo[*]}"

@@ -7,6 +7,8 @@ A `fully_shard` call makes one `ParamGroup` per parameter dtype (one DBuffer eac
 from __future__ import annotations
 
 import enum
+import weakref
+
 import torch
 import torch.nn as nn
 
@@ -188,18 +190,26 @@ class ParamGroup:
     # --- backward ----------------------------------------------------------------------------
 
     def _land_grad(self, i: int):
+        # A weak reference: the hook hangs off the parameter's C++ side, which the collector
+        # cannot see, so a strong one (group -> parameter -> hook -> group) kept every model
+        # that ran a backward alive, and with it its DBuffers' process groups.
+        ref = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
+            group = ref()
+            if group is None:
+                return
             grad, param.grad = param.grad, None
             if grad is None:
                 return
-            if not self._grads_live or not self.buffer.grads_allocated:
+            if not group._grads_live or not group.buffer.grads_allocated:
                 # A gradient outside this group's backward (a user's own autograd.grad or a
                 # backward after post-backward ran): as torch's FSDP2, it is not reduced.
                 param.grad = grad
                 return
-            view = self.views[i]
-            self.buffer.land_grad(i, grad if view is None else view.local_grad(grad))
-            self._has_grad[i] = True
+            view = group.views[i]
+            group.buffer.land_grad(i, grad if view is None else view.local_grad(grad))
+            group._has_grad[i] = True
 
         return hook
 
