@@ -110,6 +110,9 @@ class DBuffer(GradientPath):
         S = self.shard_size = self._place(tensors, block_sizes, align=ALIGN_BYTES // itemsize)
         # The verdict flags after each slot of the gradient buffer: [Note: unreached parameters].
         self._flag_room = self.flag_room(len(tensors), ALIGN_BYTES // itemsize, mesh.size())
+        # Gradient room for every tensor until told otherwise: [Note: compacted gradients].
+        self._grad_align = ALIGN_BYTES // itemsize
+        self._grad_mask = None
         shard = aligned_empty(S, dtype, device, pin_memory=self._pin and not meta)
         if not meta:
             shard.zero_()
@@ -180,9 +183,10 @@ class DBuffer(GradientPath):
         # Gradients land in the reduce dtype, as torch's FSDP2 copies them into its reduce-scatter
         # input (and accumulates no-sync micro-batches) in it: [Note: gradient landing].
         # Its slots end with the verdict flags: [Note: unreached parameters].
+        self._plan_grads(self._grad_mask)
         self._grads = torch.empty(self._grads_numel(), dtype=self.reduce_dtype,
                                   device=self.compute_device)
-        self._pieces = [self._grad_pieces(e) for e in self.entries]  # where each lands
+        self._pieces = [self._grad_pieces(i) for i in range(len(self.entries))]  # where each lands
         self._free(self._grads)
         self._landed = [True] * len(self.entries)  # which ranges hold a gradient (grads.py)
         self._shard_grad: torch.Tensor | None = None
@@ -243,10 +247,11 @@ class DBuffer(GradientPath):
             self._shard_grad = self._new_shard_grad()
             with torch.no_grad():
                 self._shard_grad.copy_(old_shard_grad)
-            for p, e, g in zip(self.params, self.entries, old_grads):
+            for p, e, g, local in zip(self.params, self.entries, old_grads, self._grad_local):
                 if g is not None:
                     with torch._C.DisableTorchFunctionSubclass():
-                        p.grad = self._sharded(e, self._shard_grad, requires_grad=False)
+                        p.grad = self._sharded(e, self._shard_grad, requires_grad=False,
+                                               local=local)
         return True
 
     def load_(self, i: int, value: torch.Tensor) -> None:
@@ -291,14 +296,17 @@ class DBuffer(GradientPath):
         """The mesh of tensor `e`'s sharded DTensor (the TP-combined one for a TP tensor)."""
         return self.mesh if e.spmd is None else e.spmd.mesh
 
-    def _shard_view(self, e: _Entry, buf: torch.Tensor) -> DTensor:
-        """Tensor `e`'s sharded DTensor over `buf` (the shard or the shard gradient)."""
-        local = buf[e.local[0] : e.local[1]]
+    def _shard_view(self, e: _Entry, buf: torch.Tensor, local=None) -> DTensor:
+        """Tensor `e`'s sharded DTensor over `buf` (the shard, or the shard gradient with this
+        rank's elements at `local`: [Note: compacted gradients])."""
+        a, b = e.local if local is None else local
+        local = buf[a:b]
         spec = make_spec(self.spec_mesh(e), self.placements(e), e.shape, buf.dtype)
         return RaggedDTensor(local, spec, requires_grad=False)
 
-    def _sharded(self, e: _Entry, buf: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-        dt = self._shard_view(e, buf)
+    def _sharded(self, e: _Entry, buf: torch.Tensor, requires_grad: bool,
+                 local: tuple[int, int] | None = None) -> torch.Tensor:
+        dt = self._shard_view(e, buf, local)
         if not requires_grad:
             return dt
         trainable = buf.dtype.is_floating_point or buf.dtype.is_complex

@@ -88,10 +88,11 @@ class ChunkedDBuffer(DBuffer):
     def _local_part(self, e: _Entry, t: torch.Tensor) -> torch.Tensor:
         return t.chunk(self.world, dim=e.placement.dim)[self.rank].reshape(-1)
 
-    def _shard_view(self, e: _Entry, buf: torch.Tensor) -> DTensor:
+    def _shard_view(self, e: _Entry, buf: torch.Tensor, local=None) -> DTensor:
         shape = list(e.view_shape)
         shape[e.placement.dim] //= self.world
-        local = buf[e.local[0] : e.local[1]].view(shape)
+        a, b = e.local if local is None else local  # always e.local: gradients stay in place
+        local = buf[a:b].view(shape)
         spec = make_spec(self.spec_mesh(e), self.placements(e), e.shape, buf.dtype)
         return DTensor(local, spec, requires_grad=False)
 

@@ -55,6 +55,22 @@ are bound when their reduction finishes; hooks on the sharded parameters (an opt
 backward) run when the gradient is bound, so for the others at the end of backward.
 (tests/fsdp/test_routing.py: ranks reaching different experts, holding none of some, through
 clipping, the optimizers, GradScaler and DCP; tests/stress: the same over many steps.)
+
+[Note: compacted gradients]
+Only tensors that require grad have room in the gradient buffer. `fully_shard` puts frozen and
+trainable parameters in different groups, but `requires_grad_()` after it (PEFT's and torch's
+freeze-after-init) leaves both in one DBuffer; its group then gives the buffer the mask of what
+requires grad at each backward's start (`set_grad_mask`). Rank r's gradient slot holds r's
+pieces of the masked tensors, packed in layout order: Sg = max over ranks of their sum, rounded
+up to the alignment (Sg = S, the identity layout, when every tensor is masked; a
+`ChunkedDBuffer` always keeps it). Each tensor keeps its rank distribution (its gradient on
+rank r has exactly r's elements of the parameter), so a sharded gradient is the same
+RaggedShard DTensor over `_shard_grad[_grad_local[i]]`, at another offset than the parameter in
+the shard. The landing, the flags, the reduce-scatter and the HSDP all-reduce all work on slots
+of Sg + F: frozen tensors cost nothing on the wire or in memory, as in torch's FSDP2, which
+leaves them out of its reduce-scatter. A tensor that gains a gradient without room (frozen
+when the layout was made) triggers a new layout in place; gradients held across a change move.
+(tests/fsdp/test_compacted_grads.py; torch's test_train_mixed_requires_grad_per_group.)
 """
 
 from __future__ import annotations
@@ -98,51 +114,142 @@ class GradientPath:
         `align` (so every slot stays aligned); none on a mesh of one rank."""
         return 0 if ranks == 1 else -(-max(n, 1) // align) * align
 
+    def _plan_grads(self, mask: Sequence[bool] | None = None) -> None:
+        """Lay the gradient buffer out for the tensors `mask` marks (default: every tensor):
+        each one's pieces per rank slot (`_grad_slots`), this rank's part of the sharded
+        gradients (`_grad_local`) and the slot size Sg ([Note: compacted gradients])."""
+        n = len(self.entries)
+        mask = (True,) * n if mask is None else tuple(bool(m) for m in mask)
+        S, W = self.shard_size, self.world
+        identity = all(mask) or not self._GRADS_RANK_MAJOR
+        used = [0] * W
+        slots: list[list[tuple[int, int, int]]] = []
+        for e, m in zip(self.entries, mask):
+            pieces = []
+            a, b = (e.start, e.stop) if m or identity else (0, 0)
+            if not self._GRADS_RANK_MAJOR:  # the full layout: one range, no slots
+                pieces, a = ([(0, a, b - a)] if b > a else []), b
+            while a < b:
+                r = a // S
+                end = min(b, (r + 1) * S)
+                off = a - r * S if identity else used[r]
+                pieces.append((r, off, end - a))
+                used[r] = off + end - a
+                a = end
+            slots.append(pieces)
+        if identity:
+            self._grad_slot = S
+            local = [e.local for e in self.entries]
+        else:
+            align = self._grad_align
+            self._grad_slot = max(align, -(-max(used) // align) * align)
+            local = []
+            for pieces in slots:
+                mine = [(off, off + k) for r, off, k in pieces if r == self.rank]
+                local.append(mine[0] if mine else (0, 0))
+        self._grad_mask, self._grad_slots, self._grad_local = mask, slots, local
+        F = self._flag_room if self._GRADS_RANK_MAJOR else 0
+        self._grad_stride = self._grad_slot + F  # one rank's slot in the gradient buffer
+
+    @property
+    def grad_mask(self) -> tuple[bool, ...]:
+        """Which tensors have room in the gradient buffer ([Note: compacted gradients])."""
+        return self._grad_mask
+
     def _grads_numel(self) -> int:
-        S, F = self.shard_size, self._flag_room
-        return self.world * (S + F if self._GRADS_RANK_MAJOR else S)
+        return self.world * self._grad_stride
 
-    def _grad_ranges(self, a: int, b: int) -> list[tuple[int, int]]:
-        """Where [a, b) of the unsharded layout lies in the gradient buffer: one range per
-        shard slot it touches ([Note: gradient landing])."""
-        S, F = self.shard_size, self._flag_room
-        if not (F and self._GRADS_RANK_MAJOR):
-            return [(a, b)] if b > a else []
-        out = []
-        while a < b:
-            r, off = divmod(a, S)
-            end = min(b, (r + 1) * S)
-            lo = r * (S + F) + off
-            out.append((lo, lo + end - a))
-            a = end
-        return out
-
-    def _grad_pieces(self, e) -> list[tuple[int, int, torch.Tensor]]:
-        """Tensor `e`'s gradient as views of the gradient buffer: (first, last) flat elements
+    def _grad_pieces(self, i: int) -> list[tuple[int, int, torch.Tensor]]:
+        """Tensor i's gradient as views of the gradient buffer: (first, last) flat elements
         of the gradient and the view they land in. `[(None, None, view)]`, one view of the
         tensor's shape, when it lies in one slot; else its part in the first slot, the whole
         slots after it as one (k, S) view, and its part in the last slot."""
-        G = self._grads
-        ranges = self._grad_ranges(e.start, e.stop)
-        if len(ranges) <= 1:
-            lo, hi = ranges[0] if ranges else (0, 0)
-            return [(None, None, G[lo:hi].view(e.view_shape))]
+        if not self._grad_mask[i]:
+            return None  # no room: frozen ([Note: compacted gradients])
+        G, e = self._grads, self.entries[i]
+        pieces, stride = self._grad_slots[i], self._grad_stride
+        if len(pieces) <= 1:
+            r, off, k = pieces[0] if pieces else (0, 0, 0)
+            lo = r * stride + off
+            return [(None, None, G[lo : lo + k].view(e.view_shape))]
         S = self.shard_size
-        slot = S + self._flag_room
-        pieces, a, i = [], 0, 0
-        while i < len(ranges):
-            lo, hi = ranges[i]
-            k = 0  # whole slots from here on
-            while i + k < len(ranges) and ranges[i + k][1] - ranges[i + k][0] == S:
-                k += 1
-            if k > 1:
-                r = lo // slot
-                pieces.append((a, a + k * S, G.view(-1, slot)[r : r + k, :S]))
-                a, i = a + k * S, i + k
+        out, a, j = [], 0, 0
+        while j < len(pieces):
+            r, off, k = pieces[j]
+            run = 0  # whole slots from here on
+            while j + run < len(pieces) and pieces[j + run][2] == S:
+                run += 1
+            if run > 1:  # whole slots lie at offset 0 of theirs: nothing else shares them
+                out.append((a, a + run * S, G.view(-1, stride)[r : r + run, :S]))
+                a, j = a + run * S, j + run
             else:
-                pieces.append((a, a + hi - lo, G[lo:hi]))
-                a, i = a + hi - lo, i + 1
-        return pieces
+                lo = r * stride + off
+                out.append((a, a + k, G[lo : lo + k]))
+                a, j = a + k, j + 1
+        return out
+
+    def set_grad_mask(self, mask: Sequence[bool]) -> None:
+        """Give gradient room to the tensors `mask` marks only (those that require grad): the
+        gradient buffer, the reduce-scatter and the sharded gradients shrink to them
+        ([Note: compacted gradients]). Gradients kept across the change (no-sync micro-batches,
+        an HSDP sum awaiting its all-reduce, sharded `.grad`s) move to the new layout; a
+        tensor losing its room keeps its sharded `.grad` as a copy of its own."""
+        mask = tuple(bool(m) for m in mask)
+        if not self._GRADS_RANK_MAJOR or mask == self._grad_mask:
+            return
+        self.finish_reduce()
+        self.resolve_grads()
+        old_mask, old_slots, old_local = self._grad_mask, self._grad_slots, self._grad_local
+        old_stride = self._grad_stride
+        old_grads = self._grads if self.grads_allocated else None
+        old_partial, old_shard = self._partial, self._shard_grad
+        self._plan_grads(mask)
+        self._grads = torch.empty(self._grads_numel(), dtype=self.reduce_dtype,
+                                  device=self.compute_device)
+        self._pieces = [self._grad_pieces(i) for i in range(len(self.entries))]
+        keep = [i for i, (m, o) in enumerate(zip(mask, old_mask)) if m and o]  # room in both
+        if old_grads is not None:  # gradients accumulating without sync: move them
+            moves = [(r * old_stride + a, r * self._grad_stride + b, k)
+                     for i in keep for (r, a, k), (_, b, _) in zip(old_slots[i],
+                                                                   self._grad_slots[i])]
+            ops.zero_ranges_(self._grads, [(0, self._grads.numel())])
+            with torch.no_grad():
+                for src, dst, k in moves:
+                    self._grads[dst : dst + k].copy_(old_grads[src : src + k])
+        else:
+            self._free(self._grads)
+        if old_partial is not None:
+            self._partial = self._move_local(old_partial, old_local, keep, flags=True)
+        if old_shard is not None:
+            self._shard_grad = self._move_local(old_shard, old_local, keep, flags=True)
+            for i, (p, e) in enumerate(zip(self.params, self.entries)):
+                g = p.grad
+                if g is None or not isinstance(g, DTensor) or (
+                        g._local_tensor.untyped_storage().data_ptr()
+                        != old_shard.untyped_storage().data_ptr()):
+                    continue
+                if mask[i]:
+                    p.grad = self._sharded(e, self._shard_grad, requires_grad=False,
+                                           local=self._grad_local[i])
+                else:  # no room any more: the gradient keeps its values in its own memory
+                    a, b = old_local[i]
+                    p.grad = self._sharded(e, old_shard[a:b].clone(), requires_grad=False,
+                                           local=(0, b - a))
+
+    def _move_local(self, old: torch.Tensor, old_local, keep, flags: bool) -> torch.Tensor:
+        """This rank's slot `old` (gradient elements at `old_local`, then the flags) in the
+        current layout: the kept tensors' elements moved, zeros elsewhere."""
+        Sg, F = self._grad_slot, self._flag_room
+        new = aligned_empty(Sg + F, old.dtype, old.device, pin_memory=self._pin and
+                            old.device.type == "cpu")
+        new.zero_()
+        with torch.no_grad():
+            for i in keep:
+                (a, b), (c, d) = old_local[i], self._grad_local[i]
+                new[c:d].copy_(old[a:b])
+            if flags and F:
+                new[Sg:].copy_(old[old.numel() - F :])
+        return new
 
     # --- landing -----------------------------------------------------------------------------
 
@@ -170,6 +277,8 @@ class GradientPath:
 
     def land_grad(self, i: int, grad: torch.Tensor) -> None:
         """Write (first gradient since allocation) or add `grad` into tensor `i`'s range."""
+        if self._pieces[i] is None:  # frozen when the layout was made, yet it has a gradient
+            self.set_grad_mask([m or j == i for j, m in enumerate(self._grad_mask)])
         pieces = self._pieces[i]
         spmd = self.entries[i].spmd
         if spmd is not None:  # a DTensor on the TP mesh: [Note: FSDP over TP]
@@ -190,16 +299,28 @@ class GradientPath:
 
     def complete_grads(self) -> None:
         """Zero every range of the gradient buffer no gradient landed in, in one launch."""
-        ranges, pos = [], 0
-        for e, landed in sorted(zip(self.entries, self._landed), key=lambda x: x[0].start):
-            if landed:
-                if e.start > pos:
-                    ranges.append((pos, e.start))
-                pos = max(pos, e.stop)  # TP padding after `stop` is zeroed too
-        total = self.world * self.shard_size
-        if pos < total:
-            ranges.append((pos, total))
-        ranges = [r for a, b in ranges for r in self._grad_ranges(a, b)]
+        covered: list[list[tuple[int, int]]] = [[] for _ in range(self.world)]
+        S = self.shard_size
+        for e, landed, pieces in zip(self.entries, self._landed, self._grad_slots):
+            if not landed:
+                continue
+            a = e.start  # the tensor fills [start, stop): TP padding after it is zeroed too
+            for r, off, k in pieces:
+                fill = min(a + k, e.stop) - a
+                if fill > 0:
+                    covered[r].append((off, off + fill))
+                a = (r + 1) * S
+        ranges, Sg, stride = [], self._grad_slot, self._grad_stride
+        if not self._GRADS_RANK_MAJOR:  # the full layout: one range of W * S elements
+            covered, Sg = [sum(covered, [])], self.world * S
+        for r, spans in enumerate(covered):
+            pos = 0
+            for a, b in sorted(spans):
+                if a > pos:
+                    ranges.append((r * stride + pos, r * stride + a))
+                pos = max(pos, b)
+            if pos < Sg:
+                ranges.append((r * stride + pos, r * stride + Sg))
         if ranges:
             ops.zero_ranges_(self._grads, ranges)
         self._landed = [True] * len(self.entries)
@@ -233,7 +354,7 @@ class GradientPath:
     def _new_shard_grad(self) -> torch.Tensor:
         """The sharded gradients' buffer: S elements, then room for the F flags the
         reduce-scatter writes when it writes the sharded gradients directly."""
-        return aligned_empty(self.shard_size + self._flag_room, self.dtype, self.device,
+        return aligned_empty(self._grad_slot + self._flag_room, self.dtype, self.device,
                              pin_memory=self._pin)
 
     # --- reduction ---------------------------------------------------------------------------
@@ -241,7 +362,7 @@ class GradientPath:
     def _write_flags(self, source: torch.Tensor, unreached: Sequence[bool] | None) -> None:
         """Write this rank's verdicts (1: reached or no verdict asked, 0: not reached) into the
         flags of every slot of the reduce-scatter input ([Note: unreached parameters])."""
-        S, F = self.shard_size, self._flag_room
+        S, F = self._grad_slot, self._flag_room
         if not F:
             return
         n = len(self.entries)
@@ -276,7 +397,7 @@ class GradientPath:
         reach (None: every tensor counts as reached): see [Note: unreached parameters].
         """
         self.finish_reduce()
-        S = self.shard_size
+        S = self._grad_slot
         if self.grads_allocated:
             self.complete_grads()
         if self._GRADS_RANK_MAJOR:
@@ -338,7 +459,7 @@ class GradientPath:
         if work is not None:
             work.wait()
         del source
-        S, F = self.shard_size, self._flag_room
+        S, F = self._grad_slot, self._flag_room
         n = len(self.params)
         replica_dims = self._replica_dims()
         if replica_dims and not all_reduce:
@@ -376,7 +497,8 @@ class GradientPath:
             self._shard_grad = self._new_shard_grad()
         # Sharded gradients that are not this buffer's views start again from zero (in the
         # accumulating pass below): every tensor that may be bound now or after its verdict.
-        fresh = [e for p, e, b in zip(self.params, self.entries, bind) if b and not self._bound(p)]
+        fresh = [self._grad_local[i] for i, (p, b) in enumerate(zip(self.params, bind))
+                 if b and not self._bound(p)]
         if direct:
             pass  # the reduce-scatter wrote them
         elif accumulate and any(self._bound(p) for p in self.params):
@@ -384,7 +506,7 @@ class GradientPath:
             # them; tensors whose .grad was dropped (set to None) start again from zero. A
             # tensor no rank reached adds +0.0, which changes no bit of a sum of landed
             # gradients (never -0.0).
-            ops.zero_ranges_(self._shard_grad, [e.local for e in fresh])
+            ops.zero_ranges_(self._shard_grad, fresh)
             ops.accumulate_(self._shard_grad[:S], reduced[:S], scale)
         else:  # no earlier sums (zero_grad() set them to None): one pass writes them all
             ops.cast_scale_(self._shard_grad[:S], reduced[:S], scale)
@@ -429,12 +551,13 @@ class GradientPath:
             p, e = self.params[i], self.entries[i]
             if self._bound(p):
                 continue
+            a, b = self._grad_local[i]
             if accumulate and p.grad is not None:
                 old = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                if old.numel() != e.local[1] - e.local[0]:
+                if old.numel() != b - a:
                     raise ValueError(
-                        f"{e.name}.grad: expected this rank's {e.local[1] - e.local[0]} "
+                        f"{e.name}.grad: expected this rank's {b - a} "
                         f"elements ({p.placements}), got a tensor of shape {list(old.shape)}"
                     )
-                self._shard_grad[e.local[0] : e.local[1]].add_(old.reshape(-1))
-            p.grad = self._sharded(e, self._shard_grad, requires_grad=False)
+                self._shard_grad[a:b].add_(old.reshape(-1))
+            p.grad = self._sharded(e, self._shard_grad, requires_grad=False, local=(a, b))

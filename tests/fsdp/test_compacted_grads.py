@@ -1,0 +1,141 @@
+"""`requires_grad_()` after fully_shard: the gradient path shrinks to what requires grad
+([Note: compacted gradients] in veragged/dbuffer/grads.py), with torch's numbers.
+
+Two ranks train the same model under torch's fully_shard and veragged's in one run, with the
+trainable set changing between steps as a user's script changes it: weights frozen after the
+optimizer exists (BitFit, PEFT's freeze after sharding), frozen while their `.grad` from the last
+step is still there (no `zero_grad` in between), unfrozen between two no-sync micro-batches,
+frozen between forward and backward, and everything unfrozen again. On two ranks each gradient
+element is the sum of the same two terms on both implementations, so losses, gradients and
+parameters are compared bitwise. The reduce-scatters are counted: after a freeze they carry the
+trainable parameters' pieces of the largest rank slot and the verdict flags, no frozen element.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+import veragged
+from veragged.testing import get_mesh, run_on_ranks
+
+IMPLS = {"torch": torch_fully_shard, "veragged": veragged.fully_shard}
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = nn.Linear(16, 48)  # its weight crosses the rank boundary of its DBuffer
+        self.small = nn.Linear(48, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.norm(x + self.small(torch.relu(self.big(x))))
+
+
+def _schedule():
+    """(name, what to do before the step's forward)."""
+    def freeze(pattern):
+        return lambda m: [p.requires_grad_(pattern(n)) for n, p in m.named_parameters()]
+
+    return [
+        ("all", None),
+        ("bitfit", freeze(lambda n: "bias" in n)),          # grads of step 0 dropped (zero_grad)
+        ("keep_grads", freeze(lambda n: n.endswith("norm.bias"))),  # .grad kept from "bitfit"
+        ("no_sync_unfreeze", "no_sync"),                    # unfreeze between micro-batches
+        ("freeze_in_backward", "between"),                  # frozen after forward
+        ("all_again", freeze(lambda n: True)),
+    ]
+
+
+def _train(impl: str):
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    for block in model:
+        IMPLS[impl](block, mesh=get_mesh())
+    IMPLS[impl](model, mesh=get_mesh())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sizes: list[int] = []
+    orig = dist.reduce_scatter_tensor
+
+    def counting(output, input, *args, **kwargs):
+        sizes.append(input.numel())
+        return orig(output, input, *args, **kwargs)
+
+    rank = dist.get_rank()
+
+    def data(step, micro=0):
+        g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+        return torch.randn(4, 16, generator=g)
+
+    out = []
+    dist.reduce_scatter_tensor = counting
+    try:
+        for step, (name, change) in enumerate(_schedule()):
+            sizes.clear()
+            if callable(change):
+                change(model)
+            if name != "keep_grads":
+                opt.zero_grad()
+            if change == "no_sync":
+                model.set_requires_gradient_sync(False)
+                loss = model(data(step, 0)).pow(2).mean()
+                loss.backward()
+                model[1].small.weight.requires_grad_(True)  # gains a gradient mid-accumulation
+                model.set_requires_gradient_sync(True)
+                loss = loss.detach() + model(data(step, 1)).pow(2).mean()
+                loss.backward() if loss.requires_grad else None
+            else:
+                y = model(data(step)).pow(2).mean()
+                if change == "between":
+                    model[0].big.bias.requires_grad_(False)  # autograd already recorded it
+                y.backward()
+                loss = y
+            grads = {n: (None if p.grad is None else p.grad.full_tensor())
+                     for n, p in model.named_parameters()}
+            opt.step()
+            params = {n: p.full_tensor() for n, p in model.named_parameters()}
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            out.append((name, loss.detach(), grads, params, list(sizes), trainable))
+    finally:
+        dist.reduce_scatter_tensor = orig
+    return out
+
+
+def _run():
+    return {impl: run_on_ranks(_train, 2, args=(impl,))[0] for impl in IMPLS}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return _run()
+
+
+def test_requires_grad_changes_match_torch_bitwise(runs):
+    for (name, t_loss, t_grads, t_params, _, _), (_, v_loss, v_grads, v_params, _, _) in zip(
+            runs["torch"], runs["veragged"]):
+        assert torch.equal(t_loss, v_loss), name
+        assert t_grads.keys() == v_grads.keys()
+        for n in t_grads:
+            tg, vg = t_grads[n], v_grads[n]
+            assert (tg is None) == (vg is None), (name, n, tg, vg)
+            if tg is not None:
+                assert torch.equal(tg, vg), (name, n, (tg - vg).abs().max())
+        for n in t_params:
+            assert torch.equal(t_params[n], v_params[n]), (name, n)
+
+
+def test_frozen_parameters_leave_the_reduce_scatter(runs):
+    full = runs["veragged"][0][4]  # step "all": every tensor has room
+    for name, _, _, _, sizes, trainable in runs["veragged"]:
+        if name in ("all", "all_again"):
+            assert sizes == full, name
+            continue
+        for n, f in zip(sizes, full):
+            assert n < f, (name, sizes, full)  # frozen elements are not sent
+        # Everything trainable is sent once (flags aside, each group's slot is at least the
+        # largest rank's share).
+        assert sum(sizes) >= trainable, (name, sizes, trainable)
