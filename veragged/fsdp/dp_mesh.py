@@ -276,10 +276,11 @@ def split_param(fqn: str, p: torch.Tensor, dp: DpMesh) -> tuple[torch.Tensor, Fu
         return p, None
     if isinstance(p, DTensor):
         spec = p._spec
-        if spec.mesh != dp.spmd_mesh:
+        if spec.mesh is not dp.spmd_mesh:  # as torch: the same object, not an equal one
             raise ValueError(
                 f"parameter {fqn!r} is a DTensor on {spec.mesh}: with dp_mesh_dims it must be "
-                f"on the mesh passed to fully_shard, {dp.spmd_mesh}"
+                f"on the same mesh object passed to fully_shard ({dp.spmd_mesh}), not another "
+                "mesh of the same ranks"
             )
         _check_replicated(fqn, spec.placements, dp)
         inner = _inner(p._local_tensor, spec.shape, spec.stride, spec.placements, dp)
