@@ -391,6 +391,27 @@ def test_no_sync_accumulates_in_reduce_dtype():
         _same(res["torch"][rank], res["veragged"][rank], atol=1e-5)
 
 
+def _bf16_unset_reduce_dtype(impl):
+    torch.manual_seed(0)
+    model = _shard(Net(), impl, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    for micro in range(2):
+        model.set_requires_gradient_sync(micro == 1)
+        model(_data(micro, dist.get_rank())).float().sum().backward()
+    grads = _grads(model)
+    return grads, {k: v.dtype for k, v in grads.items() if v is not None}
+
+
+def test_unset_reduce_dtype_follows_torch():
+    """MixedPrecisionPolicy(param_dtype=bf16) alone: torch 2.15 computes, reduces and keeps
+    the gradients in fp32 (the parameters' dtype), torch 2.11 reduces in bf16; ours does what
+    the torch it runs with does, to the bit on two ranks."""
+    res = _run_both(_bf16_unset_reduce_dtype)
+    for rank in range(2):
+        (g_t, d_t), (g_v, d_v) = res["torch"][rank], res["veragged"][rank]
+        assert d_t == d_v, (d_t, d_v)
+        _same(g_t, g_v, atol=0)
+
+
 # --- interop and arguments -----------------------------------------------------------------------
 
 def _interop(impl):

@@ -68,6 +68,8 @@ class DBuffer(GradientPath):
             the reduced gradients are copied back. See [Note: DBuffer layout].
         spmd: per tensor, None or (for a tensor/expert-parallel DTensor, whose local block the
             buffer holds) its `SpmdParam`; see [Note: FSDP over TP].
+        reduce_in_own_dtype: without `reduce_dtype`, reduce in the tensors' own dtype (the
+            shard's, following casts; torch 2.15's FSDP2) instead of `param_dtype`.
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class DBuffer(GradientPath):
         offload: bool = False,
         pin_memory: bool = False,
         spmd: Sequence["SpmdParam | None"] | None = None,
+        reduce_in_own_dtype: bool = False,
     ):
         if not tensors:
             raise ValueError("DBuffer needs at least one tensor")
@@ -95,7 +98,7 @@ class DBuffer(GradientPath):
         self.group = mesh.get_group(self.shard_dim)
         self.world = mesh.size(self.shard_dim)
         self.rank = mesh.get_coordinate()[self.shard_dim]
-        self._policy = (param_dtype, reduce_dtype)
+        self._policy = (param_dtype, reduce_dtype, reduce_in_own_dtype)
         self.offload = offload
         self._spmd = list(spmd) if spmd is not None else [None] * len(tensors)
         if len(self._spmd) != len(tensors):
@@ -171,10 +174,11 @@ class DBuffer(GradientPath):
         # shard is offloaded to host memory.
         self.compute_device = (mesh_device(self.mesh) if self.offload and not shard.is_meta
                                else shard.device)
-        param_dtype, reduce_dtype = self._policy
+        param_dtype, reduce_dtype, own = self._policy
         floating = self.dtype.is_floating_point
         self.param_dtype = param_dtype if (param_dtype and floating) else self.dtype
-        self.reduce_dtype = reduce_dtype if (reduce_dtype and floating) else self.param_dtype
+        unset = self.dtype if own else self.param_dtype
+        self.reduce_dtype = reduce_dtype if (reduce_dtype and floating) else unset
         params = [self._sharded(e, shard, requires_grad=True) for e in self.entries]
         self._unsharded = torch.empty(self.world * S, dtype=self.param_dtype,
                                       device=self.compute_device)

@@ -57,6 +57,13 @@ class UnshardHandle:
         self._groups = None
 
 
+
+# An unset `MixedPrecisionPolicy.reduce_dtype`: torch 2.15's FSDP2 computes, reduces and keeps
+# gradients in the parameter's own dtype (its `unsharded_grad_dtype` falls back to `orig_dtype`
+# and sets the unsharded parameter's `grad_dtype`); torch 2.11, which has no `grad_dtype`,
+# reduces in `param_dtype`. Ours follows the torch it runs with.
+_UNSET_REDUCE_DTYPE_IS_ORIG = hasattr(torch.nn.Parameter(torch.empty(0)), "grad_dtype")
+
 def _unsupported(name: str):
     def method(self, *args, **kwargs):
         raise NotImplementedError(f"FSDPModule.{name} is not supported by veragged.fully_shard")
@@ -459,6 +466,7 @@ def fully_shard(
         inners = [where[id(p)][2] for _, p, _ in entries]
         tensors = [(fqn, t.detach()) for (fqn, _, _), t in zip(entries, inners)]
         policy = dict(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
+                      reduce_in_own_dtype=_UNSET_REDUCE_DTYPE_IS_ORIG,
                       offload=offload, pin_memory=offload and offload_policy.pin_memory)
         infos = [where[id(p)][4] for _, p, _ in entries]
         if chunked:
