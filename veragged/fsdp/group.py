@@ -71,14 +71,16 @@ class ParamGroup:
             for v, p, view in zip(self.buffer.unsharded_params, self.sharded, self.views)
         ]
         self._hooked: set[int] = set()  # unsharded parameters with the has-grad hook
-        # As torch 2.15's FSDP2: autograd computes and sums the unsharded gradients in the
-        # reduce dtype (a bf16 parameter used twice sums its contributions in fp32), so they
-        # land without a rounding torch's does not make. torch 2.11 has no grad_dtype.
+        # As torch 2.15's FSDP2 in a reducing backward (`_set_unsharded_grad_dtypes`, deferred
+        # upcast): autograd keeps an unsharded gradient in the dtype the computation produced
+        # (grad_dtype None; the default, the parameter's bf16, would round an fp32 one), and its
+        # landing casts it to the reduce dtype in the write it makes anyway, so no cast pass of
+        # its own. torch 2.11 has no grad_dtype.
         reduce_dtype = self.buffer.reduce_dtype
         for u in self.unsharded:
             if (hasattr(u, "grad_dtype") and u.dtype.is_floating_point
                     and u.dtype != reduce_dtype):
-                u.grad_dtype = reduce_dtype
+                u.grad_dtype = None
         for p in self.sharded:  # autograd never accumulates into them: no ragged hooks, so no
             p.__dict__["_veragged_fsdp"] = True  # weak reference blocks swap_tensors
 
