@@ -12,14 +12,18 @@ Scenarios (which parameters require grad, and when that is decided):
   lora            the base weights (everything but the adapters) frozen BEFORE fully_shard:
                   veragged plans them in DBuffers of their own, so backward's reduce-scatter
                   and gradient buffer hold only the adapters ([Note: frozen parameters] in
-                  veragged/fsdp/api.py);
+                  veragged/fsdp/api.py); each rank slot still ends with the verdict flags
+                  ([Note: unreached parameters] in veragged/dbuffer/grads.py);
+  lora_all_grads  as `lora`, with `set_reduce_scatter_unused_params(True)` on both sides
+                  (torch 2.15 only): every trainable parameter gets a gradient, so no flags;
   unfreeze_after  as `lora`, then after one training step the blocks' RMSNorm weights are
                   unfrozen (`requires_grad_(True)`): in veragged they sit in the blocks' frozen
-                  DBuffers, so each such block reduce-scatters that whole DBuffer (the Note's
-                  fallback);
+                  DBuffers, which then give gradient room to them alone ([Note: compacted
+                  gradients]), one reduce-scatter more per block than torch;
   freeze_after    everything requires grad at fully_shard time; after one training step the
-                  base weights are frozen: veragged's trainable DBuffers still hold them, and
-                  their reduce-scatter sends zeros for them.
+                  base weights are frozen: veragged's DBuffers then give gradient room to the
+                  adapters alone, each rank slot as large as the largest rank's share of them
+                  (the adapters keep the ranks the layout gave them; torch splits each evenly).
 After the change (if any), one more training step, then the measured one.
 
 Columns (per rank, one forward + backward; ratio is veragged / torch, below 1 is better):
@@ -45,7 +49,8 @@ largest difference between the two sides' full gradients of the parameters requi
 
 Prints a table and one JSON line (`--json`: only the JSON). Default: 2 and 4 ranks, every
 scenario, 2 warm-up steps (about 40 s on 2 idle CPU cores, mostly starting the ranks).
-`--quick`: the same model and ranks, the `lora` scenario only, 1 warm-up step (about 25 s).
+`--quick`: the same model and ranks, the `lora` and `lora_all_grads` scenarios only, 1 warm-up
+step (about 30 s).
 """
 
 from __future__ import annotations
@@ -69,7 +74,11 @@ from veragged.testing.llama import Llama, LlamaConfig
 from veragged.testing.pool import get_pool
 
 BATCH, SEQ, VOCAB = 2, 32, 256
-SCENARIOS = ("lora", "unfreeze_after", "freeze_after")
+SCENARIOS = ("lora", "lora_all_grads", "unfreeze_after", "freeze_after")
+# lora_all_grads: `set_reduce_scatter_unused_params(True)` on both sides (torch 2.15; torch 2.11
+# has no such mode): every trainable parameter gets a gradient, so veragged sends no verdict
+# flags ([Note: unreached parameters] in veragged/dbuffer/grads.py).
+HAS_ALL_GRADS = hasattr(torch.distributed.fsdp.FSDPModule, "set_reduce_scatter_unused_params")
 SIDES = ("torch", "veragged")
 
 
@@ -111,6 +120,8 @@ def _build(kind: str, scenario: str, spec: dict, mesh) -> nn.Module:
     for block in model.blocks:
         shard(block, mesh=mesh)
     shard(model, mesh=mesh)
+    if scenario == "lora_all_grads":
+        model.set_reduce_scatter_unused_params(True)  # recurses into the blocks
     return model
 
 
@@ -256,15 +267,22 @@ def main(argv=None) -> int:
                              "at least 2 with a *_after scenario: its requires_grad change "
                              "comes after the first)")
     parser.add_argument("--quick", action="store_true",
-                        help="the lora scenario only, 1 warm-up step")
+                        help="the lora scenarios only (lora, lora_all_grads), 1 warm-up step")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",") if w.strip()]
-    scenarios = ["lora"] if args.quick else [s.strip() for s in args.scenarios.split(",")
-                                               if s.strip()]
+    if args.quick:
+        scenarios = ["lora", "lora_all_grads"] if HAS_ALL_GRADS else ["lora"]
+    else:
+        scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+        if not HAS_ALL_GRADS and args.scenarios == ",".join(SCENARIOS):
+            scenarios.remove("lora_all_grads")
     for s in scenarios:
         if s not in SCENARIOS:
             parser.error(f"unknown scenario {s!r}: choose from {SCENARIOS}")
+        if s == "lora_all_grads" and not HAS_ALL_GRADS:
+            parser.error(f"scenario {s!r} needs torch's set_reduce_scatter_unused_params "
+                         f"(torch 2.15), not in torch {torch.__version__}")
     for w in worlds:
         if w < 2:
             parser.error(f"--worlds: each rank count must be at least 2, got {w}")

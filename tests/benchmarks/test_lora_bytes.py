@@ -10,8 +10,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed.fsdp
 
 from veragged.dbuffer.memory import ALIGN_BYTES
+
+HAS_ALL_GRADS = hasattr(torch.distributed.fsdp.FSDPModule, "set_reduce_scatter_unused_params")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -24,12 +28,16 @@ def rows():
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert [(r["world"], r["scenario"]) for r in result["rows"]] == [(2, "lora"), (4, "lora")]
+    scenarios = ["lora", "lora_all_grads"] if HAS_ALL_GRADS else ["lora"]
+    assert [(r["world"], r["scenario"]) for r in result["rows"]] == [
+        (w, s) for w in (2, 4) for s in scenarios]
     return result["rows"]
 
 
 def test_lora_backward_reduces_only_the_adapters(rows):
     for r in rows:
+        if r["scenario"] != "lora":
+            continue
         t, v = r["torch"], r["veragged"]
         assert r["grad_names_match"] and r["grad_max_diff"] < 1e-6, r  # the same gradients
         assert t["same_on_all_ranks"] and v["same_on_all_ranks"], r
@@ -52,5 +60,22 @@ def test_lora_backward_reduces_only_the_adapters(rows):
                    "vs torch's 32,768 B on 2 ranks, 36,864 B vs 32,768 B on 4 (issue 25 item 8)")
 def test_lora_reduce_scatter_bytes_at_most_torch(rows):
     for r in rows:
+        if r["scenario"] != "lora":
+            continue
         assert r["veragged"]["rs_bytes"] <= r["torch"]["rs_bytes"], r
         assert r["veragged"]["grad_buf_max"] <= r["torch"]["grad_buf_max"], r
+
+
+@pytest.mark.skipif(not HAS_ALL_GRADS, reason="torch's set_reduce_scatter_unused_params is new "
+                    "in torch 2.15")
+def test_lora_without_verdicts_sends_torchs_bytes(rows):
+    """With every trainable parameter given a gradient (torch's answer to ranks reaching
+    different parameters) no verdict travels: the adapters' gradients only, as torch's."""
+    for r in rows:
+        if r["scenario"] != "lora_all_grads":
+            continue
+        t, v = r["torch"], r["veragged"]
+        assert r["grad_names_match"] and r["grad_max_diff"] < 1e-6, r
+        assert v["rs_bytes"] <= t["rs_bytes"] == 4 * t["trainable"], r
+        assert v["grad_buf_max"] <= t["grad_buf_max"], r
+        assert sorted(v["rs_calls"]) == sorted(v["dbuffer_grad_bytes"]), r

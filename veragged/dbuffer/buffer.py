@@ -115,7 +115,7 @@ class DBuffer(GradientPath):
         self._flag_room = self.flag_room(len(tensors), ALIGN_BYTES // itemsize, mesh.size())
         # Gradient room for every tensor until told otherwise: [Note: compacted gradients].
         self._grad_align = ALIGN_BYTES // itemsize
-        self._grad_mask = None
+        self._grad_mask, self._grad_flags = None, True
         shard = aligned_empty(S, dtype, device, pin_memory=self._pin and not meta)
         if not meta:
             shard.zero_()
@@ -187,7 +187,7 @@ class DBuffer(GradientPath):
         # Gradients land in the reduce dtype, as torch's FSDP2 copies them into its reduce-scatter
         # input (and accumulates no-sync micro-batches) in it: [Note: gradient landing].
         # Its slots end with the verdict flags: [Note: unreached parameters].
-        self._plan_grads(self._grad_mask)
+        self._plan_grads(self._grad_mask, self._grad_flags)
         self._grads = torch.empty(self._grads_numel(), dtype=self.reduce_dtype,
                                   device=self.compute_device)
         self._pieces = [self._grad_pieces(i) for i in range(len(self.entries))]  # where each lands

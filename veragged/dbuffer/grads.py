@@ -43,7 +43,15 @@ the reduce dtype (exact below 2^8 ranks even in bf16, and never 0 once positive)
 detail (the sign of a zero sum) matters; the flags never touch a gradient element: a rank that
 did not reach a tensor sends +0.0 there, which leaves the others' sum bitwise as it was (their
 elements are never -0.0: +0.0 + x is not). The cost is F elements per rank on the wire and in
-the buffer, and no collective torch's backward does not issue.
+the buffer (one alignment unit, 256 B, per rank per buffer of up to 64 fp32 tensors), and no
+collective torch's backward does not issue. It cannot be zero while the guarantee holds: a rank
+that reached a tensor another did not must tell it, and the gradient elements cannot carry the
+news (a reached rank's gradient may be exactly zero, and its sum with anything is another
+gradient), so the bits must travel somewhere; torch sends none and aborts instead when ranks
+reach different parameters. With `set_reduce_scatter_unused_params(True)` (torch's answer to
+such routing: every trainable parameter gets a gradient, zeros where no rank reached it) no
+verdict is needed, and the buffer is laid out without flags (`set_grad_layout(flags=False)`):
+the reduce-scatter then carries the trainable gradients only, as torch's.
 Reading a verdict is a device-to-host read, needed only when this rank's backward missed a
 trainable tensor of the buffer (it knows the tensors it reached): one read per buffer, of all
 its flags. Inside backward (`finish_reduce(defer=True)`, the group's state after its
@@ -60,7 +68,7 @@ clipping, the optimizers, GradScaler and DCP; tests/stress: the same over many s
 Only tensors that require grad have room in the gradient buffer. `fully_shard` puts frozen and
 trainable parameters in different groups, but `requires_grad_()` after it (PEFT's and torch's
 freeze-after-init) leaves both in one DBuffer; its group then gives the buffer the mask of what
-requires grad at each backward's start (`set_grad_mask`). Rank r's gradient slot holds r's
+requires grad at each backward's start (`set_grad_layout`). Rank r's gradient slot holds r's
 pieces of the masked tensors, packed in layout order: Sg = max over ranks of their sum, rounded
 up to the alignment (Sg = S, the identity layout, when every tensor is masked; a
 `ChunkedDBuffer` always keeps it). Each tensor keeps its rank distribution (its gradient on
@@ -114,10 +122,11 @@ class GradientPath:
         `align` (so every slot stays aligned); none on a mesh of one rank."""
         return 0 if ranks == 1 else -(-max(n, 1) // align) * align
 
-    def _plan_grads(self, mask: Sequence[bool] | None = None) -> None:
+    def _plan_grads(self, mask: Sequence[bool] | None = None, flags: bool = True) -> None:
         """Lay the gradient buffer out for the tensors `mask` marks (default: every tensor):
         each one's pieces per rank slot (`_grad_slots`), this rank's part of the sharded
-        gradients (`_grad_local`) and the slot size Sg ([Note: compacted gradients])."""
+        gradients (`_grad_local`), the slot size Sg ([Note: compacted gradients]) and whether
+        the slots end with verdict flags ([Note: unreached parameters])."""
         n = len(self.entries)
         mask = (True,) * n if mask is None else tuple(bool(m) for m in mask)
         S, W = self.shard_size, self.world
@@ -148,7 +157,9 @@ class GradientPath:
                 mine = [(off, off + k) for r, off, k in pieces if r == self.rank]
                 local.append(mine[0] if mine else (0, 0))
         self._grad_mask, self._grad_slots, self._grad_local = mask, slots, local
-        F = self._flag_room if self._GRADS_RANK_MAJOR else 0
+        self._grad_flags = bool(flags)
+        self._flags = self._flag_room if flags else 0  # F, the flags in use
+        F = self._flags if self._GRADS_RANK_MAJOR else 0
         self._grad_stride = self._grad_slot + F  # one rank's slot in the gradient buffer
 
     @property
@@ -188,22 +199,26 @@ class GradientPath:
                 a, j = a + k, j + 1
         return out
 
-    def set_grad_mask(self, mask: Sequence[bool]) -> None:
+    def set_grad_layout(self, mask: Sequence[bool], flags: bool = True) -> None:
         """Give gradient room to the tensors `mask` marks only (those that require grad): the
         gradient buffer, the reduce-scatter and the sharded gradients shrink to them
-        ([Note: compacted gradients]). Gradients kept across the change (no-sync micro-batches,
-        an HSDP sum awaiting its all-reduce, sharded `.grad`s) move to the new layout; a
-        tensor losing its room keeps its sharded `.grad` as a copy of its own."""
+        ([Note: compacted gradients]); `flags`: whether the reductions carry verdict flags
+        (not needed when every trainable tensor gets a gradient: [Note: unreached
+        parameters]). Gradients kept across a change (no-sync micro-batches, an HSDP sum
+        awaiting its all-reduce, sharded `.grad`s) move to the new layout; a tensor losing its
+        room keeps its sharded `.grad` as a copy of its own."""
         mask = tuple(bool(m) for m in mask)
-        if not self._GRADS_RANK_MAJOR or mask == self._grad_mask:
+        if not self._GRADS_RANK_MAJOR:
+            mask = self._grad_mask  # its gradients stay in the full layout
+        if mask == self._grad_mask and bool(flags) == self._grad_flags:
             return
         self.finish_reduce()
         self.resolve_grads()
         old_mask, old_slots, old_local = self._grad_mask, self._grad_slots, self._grad_local
-        old_stride = self._grad_stride
+        old_stride, old_flags = self._grad_stride, self._flags
         old_grads = self._grads if self.grads_allocated else None
         old_partial, old_shard = self._partial, self._shard_grad
-        self._plan_grads(mask)
+        self._plan_grads(mask, flags)
         self._grads = torch.empty(self._grads_numel(), dtype=self.reduce_dtype,
                                   device=self.compute_device)
         self._pieces = [self._grad_pieces(i) for i in range(len(self.entries))]
@@ -219,9 +234,9 @@ class GradientPath:
         else:
             self._free(self._grads)
         if old_partial is not None:
-            self._partial = self._move_local(old_partial, old_local, keep, flags=True)
+            self._partial = self._move_local(old_partial, old_local, keep, old_flags)
         if old_shard is not None:
-            self._shard_grad = self._move_local(old_shard, old_local, keep, flags=True)
+            self._shard_grad = self._move_local(old_shard, old_local, keep, old_flags)
             for i, (p, e) in enumerate(zip(self.params, self.entries)):
                 g = p.grad
                 if g is None or not isinstance(g, DTensor) or (
@@ -236,10 +251,10 @@ class GradientPath:
                     p.grad = self._sharded(e, old_shard[a:b].clone(), requires_grad=False,
                                            local=(0, b - a))
 
-    def _move_local(self, old: torch.Tensor, old_local, keep, flags: bool) -> torch.Tensor:
-        """This rank's slot `old` (gradient elements at `old_local`, then the flags) in the
-        current layout: the kept tensors' elements moved, zeros elsewhere."""
-        Sg, F = self._grad_slot, self._flag_room
+    def _move_local(self, old: torch.Tensor, old_local, keep, old_flags: int) -> torch.Tensor:
+        """This rank's slot `old` (gradient elements at `old_local`, then `old_flags` flags)
+        in the current layout: the kept tensors' elements moved, flags kept, zeros elsewhere."""
+        Sg, F = self._grad_slot, self._flags
         new = aligned_empty(Sg + F, old.dtype, old.device, pin_memory=self._pin and
                             old.device.type == "cpu")
         new.zero_()
@@ -247,7 +262,7 @@ class GradientPath:
             for i in keep:
                 (a, b), (c, d) = old_local[i], self._grad_local[i]
                 new[c:d].copy_(old[a:b])
-            if flags and F:
+            if F and old_flags:
                 new[Sg:].copy_(old[old.numel() - F :])
         return new
 
@@ -278,7 +293,8 @@ class GradientPath:
     def land_grad(self, i: int, grad: torch.Tensor) -> None:
         """Write (first gradient since allocation) or add `grad` into tensor `i`'s range."""
         if self._pieces[i] is None:  # frozen when the layout was made, yet it has a gradient
-            self.set_grad_mask([m or j == i for j, m in enumerate(self._grad_mask)])
+            self.set_grad_layout([m or j == i for j, m in enumerate(self._grad_mask)],
+                                 self._grad_flags)
         pieces = self._pieces[i]
         spmd = self.entries[i].spmd
         if spmd is not None:  # a DTensor on the TP mesh: [Note: FSDP over TP]
@@ -354,7 +370,7 @@ class GradientPath:
     def _new_shard_grad(self) -> torch.Tensor:
         """The sharded gradients' buffer: S elements, then room for the F flags the
         reduce-scatter writes when it writes the sharded gradients directly."""
-        return aligned_empty(self._grad_slot + self._flag_room, self.dtype, self.device,
+        return aligned_empty(self._grad_slot + self._flags, self.dtype, self.device,
                              pin_memory=self._pin)
 
     # --- reduction ---------------------------------------------------------------------------
@@ -362,7 +378,7 @@ class GradientPath:
     def _write_flags(self, source: torch.Tensor, unreached: Sequence[bool] | None) -> None:
         """Write this rank's verdicts (1: reached or no verdict asked, 0: not reached) into the
         flags of every slot of the reduce-scatter input ([Note: unreached parameters])."""
-        S, F = self._grad_slot, self._flag_room
+        S, F = self._grad_slot, self._flags
         if not F:
             return
         n = len(self.entries)
@@ -398,12 +414,14 @@ class GradientPath:
         """
         self.finish_reduce()
         S = self._grad_slot
+        if not self._grad_flags:  # laid out without flags: every tensor counts as reached
+            unreached = None
         if self.grads_allocated:
             self.complete_grads()
         if self._GRADS_RANK_MAJOR:
             source = self._grads
         else:
-            source = self._rank_major(self._grads, S + self._flag_room)
+            source = self._rank_major(self._grads, S + self._flags)
         self._write_flags(source, unreached)
         replicas = math.prod(self.mesh.size(d) for d in self._replica_dims())
         if divide_factor is not None:
@@ -424,7 +442,7 @@ class GradientPath:
         elif self.world == 1:
             reduced = source
         else:
-            reduced = torch.empty(S + self._flag_room, dtype=self.reduce_dtype,
+            reduced = torch.empty(S + self._flags, dtype=self.reduce_dtype,
                                   device=self.compute_device)
         work = None
         if self.world > 1:
@@ -459,7 +477,7 @@ class GradientPath:
         if work is not None:
             work.wait()
         del source
-        S, F = self._grad_slot, self._flag_room
+        S, F = self._grad_slot, self._flags
         n = len(self.params)
         replica_dims = self._replica_dims()
         if replica_dims and not all_reduce:

@@ -229,11 +229,12 @@ class ParamGroup:
         # A module run more than once in forward has one backward per run: the reduce-scatter
         # of an earlier one still reads the gradient buffer this one is about to zero.
         self.finish_reduce()
-        # Gradient room for what requires grad now: [Note: compacted gradients].
+        # Gradient room for what requires grad now ([Note: compacted gradients]); verdict flags
+        # unless every trainable parameter gets a gradient ([Note: unreached parameters]).
         room = [s.requires_grad or u.requires_grad for s, u in zip(self.sharded, self.unsharded)]
         if self._grads_live and self.buffer.grads_allocated:  # keep what accumulated (no-sync)
             room = [a or b for a, b in zip(room, self.buffer.grad_mask)]
-        self.buffer.set_grad_mask(room)
+        self.buffer.set_grad_layout(room, flags=not self.reduce_scatter_unused_params)
         if not self._grads_live or not self.buffer.grads_allocated:
             # Scaled as they land when that is exact, unless an all-reduce hook must see sums.
             scale = self.buffer.landing_scale(self.gradient_divide_factor,
