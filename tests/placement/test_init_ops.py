@@ -533,6 +533,28 @@ def _mesh2d_checks():
             else:
                 res[f"2d.index.{key}.{level}"] = _raises(
                     lambda: LEVELS[level](lambda: x[3]), NotImplementedError, "Replicate on the")
+    # A Partial on the other mesh dim (a gradient before its all-reduce): the filled *_like
+    # factories give Replicate there, empty_like keeps Partial, as torch's DTensor rule does.
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    ragged = _ragged(full, mesh, [Replicate(), RaggedShard((0, 1), (17, 31))])
+    ref = torch_distribute_tensor(full, mesh, [Replicate(), Shard(0)])
+    partial = []
+    for t in (ragged, ref):
+        spec = t._spec
+        placements = (Partial(),) + tuple(spec.placements[1:])
+        partial.append(type(t)(t._local_tensor, DTensorSpec(spec.mesh, placements,
+                                                           spec.tensor_meta),
+                               requires_grad=False))
+    for name, args in (("zeros_like", ()), ("ones_like", ()), ("full_like", (2.0,)),
+                       ("empty_like", ())):
+        for level in _levels(mesh, "python", "dispatch"):
+            got, want = (LEVELS[level](getattr(torch, name), t, *args) for t in partial)
+            res[f"2d.partial.{name}.{level}"] = (
+                got.placements[0] == want.placements[0]
+                and got.placements[1] == partial[0].placements[1]
+            )
     return res
 
 

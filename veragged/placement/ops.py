@@ -56,6 +56,8 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import Partial, Replicate
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -113,6 +115,13 @@ _FACTORIES = frozenset(
     aten.copy_.default,
     aten._to_copy.default,
 }
+# Filled `*_like` factories: their values do not depend on the input's, so, as torch's DTensor
+# rule says (`create_like_single_dim_strategy`), a Partial input gives a Replicate output (ones
+# summed over a Partial dim would not be ones); `empty_like` keeps the placements.
+_FILLED_LIKE = frozenset(
+    {torch.zeros_like, torch.ones_like, torch.full_like, aten.zeros_like.default,
+     aten.ones_like.default, aten.full_like.default}
+)
 _FUSED_OPTIMIZER_PREFIXES = ("_fused_adam", "_fused_sgd", "_fused_adagrad")
 _FOREACH_REDUCTIONS = frozenset({"_foreach_norm", "_foreach_max"})
 # Aten ops whose outputs carry no gradient, so they may run while inputs require grad.
@@ -293,9 +302,25 @@ def _kind(func) -> int:
     return kind
 
 
+def _no_partial(out):
+    """A filled `*_like` factory's result: Partial placements become Replicate (`_FILLED_LIKE`)."""
+    if isinstance(out, DTensor) and any(isinstance(p, Partial) for p in out.placements):
+        spec = out._spec
+        placements = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
+        out = type(out)(out._local_tensor, DTensorSpec(spec.mesh, placements, spec.tensor_meta),
+                        requires_grad=out.requires_grad)
+    return out
+
+
 def handle_torch_function(func, args, kwargs):
     """`RaggedDTensor.__torch_function__`; see [Note: ops on RaggedShard DTensors] and, for
     element-wise and `_foreach_*` ops, [Note: the ops fast path] (fastpath.py)."""
+    if func in _FILLED_LIKE:
+        return _no_partial(_handle_torch_function(func, args, kwargs))
+    return _handle_torch_function(func, args, kwargs)
+
+
+def _handle_torch_function(func, args, kwargs):
     kind = _kind(func)
     if kind is _META:  # metadata (`x.grad`, `x.shape`, ...): the most frequent calls
         with _no_subclass_function():
@@ -411,6 +436,12 @@ def _elementwise(func) -> bool:
 def handle_torch_dispatch(func, args, kwargs):
     """`RaggedDTensor.__torch_dispatch__`: aten ops that reach the subclass without a torch function
     call (e.g. gradient accumulation in the autograd engine, on torch versions that call it)."""
+    if func in _FILLED_LIKE:
+        return _no_partial(_handle_torch_dispatch(func, args, kwargs))
+    return _handle_torch_dispatch(func, args, kwargs)
+
+
+def _handle_torch_dispatch(func, args, kwargs):
     out = _split_mixed(func, args, kwargs)
     if out is not NotImplemented:
         return out
