@@ -454,7 +454,7 @@ def _bad_inputs():
         try:
             fn()
             errors[name] = None
-        except (ValueError, NotImplementedError) as e:
+        except (ValueError, NotImplementedError, AssertionError) as e:
             errors[name] = str(e)
     return errors
 

@@ -283,17 +283,26 @@ def _default_mesh() -> DeviceMesh:
     return init_device_mesh(device, (dist.get_world_size(),))
 
 
+def _no_deepcopy(*args, **kwargs):
+    """`copy.deepcopy` of a sharded module: refused with torch's error (the copy would share or
+    duplicate DBuffers that its collectives assume one owner of)."""
+    raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
+
+
 def _check_module(module: nn.Module) -> None:
     if not isinstance(module, nn.Module):
         raise ValueError(f"fully_shard expects an nn.Module or a list of them, got {module!r}")
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    if isinstance(module, FSDPModule):  # torch's composable-API contract raises AssertionError
+        raise AssertionError(
+            "Each distinct composable distributed API can only be applied to a module once. "
+            f"(fully_shard was already applied to this {type(module).__name__})"
+        )
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and (
         type(module).forward is nn.Module.forward  # never called: its hooks would never run
     ):
         raise ValueError(
-            f"fully_shard does not take containers without a forward ({type(module).__name__}): "
-            "shard the modules in it, or the module that calls them"
+            "fully_shard does not support containers that do not implement forward: "
+            f"{type(module).__name__}; shard the modules in it, or the module that calls them"
         )
     if isinstance(module, TorchFSDPModule):
         raise ValueError(
@@ -349,6 +358,12 @@ def _post_forward(reshard_after_forward, dp: DpMesh) -> tuple[bool, object]:
             f"{world}, not {k}"
         )
     return k > 1, (_post_forward_group(dp.mesh, k) if 1 < k < world else None)
+
+
+def _state_of(module: nn.Module) -> FSDPState | None:
+    """`fully_shard.state(module)`, as torch's composable API: the state of the fully_shard call
+    that `module` was given to (one object per call), or None."""
+    return getattr(module, "_veragged_state", None)
 
 
 def fully_shard(
@@ -505,6 +520,10 @@ def fully_shard(
         register_state_dict_hooks(m, state)
         cls = type(m)
         if cls not in _CLASS_CACHE:
-            _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+            _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
+                                     {"__deepcopy__": _no_deepcopy})
         m.__class__ = _CLASS_CACHE[cls]
     return module
+
+
+fully_shard.state = _state_of
