@@ -14,6 +14,7 @@ from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam as _TorchFSDPParam
 from torch.distributed.tensor import DTensor, Shard
 
 from veragged.dbuffer.buffer import DBuffer
@@ -59,10 +60,10 @@ class UnshardHandle:
 
 
 # An unset `MixedPrecisionPolicy.reduce_dtype`: torch 2.15's FSDP2 computes, reduces and keeps
-# gradients in the parameter's own dtype (its `unsharded_grad_dtype` falls back to `orig_dtype`
-# and sets the unsharded parameter's `grad_dtype`); torch 2.11, which has no `grad_dtype`,
-# reduces in `param_dtype`. Ours follows the torch it runs with.
-_UNSET_REDUCE_DTYPE_IS_ORIG = hasattr(torch.nn.Parameter(torch.empty(0)), "grad_dtype")
+# gradients in the parameter's own dtype (its `FSDPParam.unsharded_grad_dtype` falls back to
+# `orig_dtype`); torch 2.11's FSDP2, which has no such property, reduces in `param_dtype`. Ours
+# follows the torch it runs with (the property is read, never called).
+_UNSET_REDUCE_DTYPE_IS_ORIG = hasattr(_TorchFSDPParam, "unsharded_grad_dtype")
 
 def _unsupported(name: str):
     def method(self, *args, **kwargs):
