@@ -361,7 +361,7 @@ def _post_forward(reshard_after_forward, dp: DpMesh) -> tuple[bool, object]:
     return k > 1, (_post_forward_group(dp.mesh, k) if 1 < k < world else None)
 
 
-def _state_of(module: nn.Module) -> FSDPState | None:
+def _fully_shard_state(module: nn.Module) -> FSDPState | None:
     """`fully_shard.state(module)`, as torch's composable API: the state of the fully_shard call
     that `module` was given to (one object per call), or None."""
     return getattr(module, "_veragged_state", None)
@@ -527,4 +527,4 @@ def fully_shard(
     return module
 
 
-fully_shard.state = _state_of
+fully_shard.state = _fully_shard_state

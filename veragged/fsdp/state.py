@@ -368,9 +368,11 @@ class FSDPState:
     def _root_post_backward_final_callback(self) -> None:
         ctx = self.ctx
         ctx.iter_forward_root = None
-        for state in reversed(ctx.all_states):
+        # Post-backwards autograd never ran (a module whose inputs need no gradient), in torch's
+        # order: all states in pre-order, the root first.
+        for state in ctx.all_states:
             state.modules_to_run.clear()
-            for g in reversed(state.groups):
+            for g in state.groups:
                 if g.training_state == TrainingState.PRE_BACKWARD:
                     g.post_backward(ctx)
         keep = [] if ctx.is_last_backward else ctx.reducing
