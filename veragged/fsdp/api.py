@@ -244,10 +244,13 @@ def _state_of(module, arg: str) -> FSDPState:
 
 
 def _collect(modules: tuple[nn.Module, ...], ignored: set[int]):
-    """Parameters of `modules` not managed by an inner fully_shard: [(fqn, param, locations)]."""
+    """Parameters of `modules` not managed by an inner fully_shard or by `replicate()`:
+    [(fqn, param, locations)]."""
     found: dict[int, tuple[str, nn.Parameter, list]] = {}
 
     def walk(mod: nn.Module, prefix: str) -> None:
+        if "replicate" in (mod.__dict__.get(REGISTRY_KEY) or {}):
+            return  # managed by torch's composable replicate(), as torch's fully_shard leaves it
         for name, p in mod._parameters.items():
             if p is None or id(p) in ignored:
                 continue
