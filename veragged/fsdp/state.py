@@ -369,10 +369,10 @@ class FSDPState:
         ctx = self.ctx
         ctx.iter_forward_root = None
         # Post-backwards autograd never ran (a module whose inputs need no gradient), in torch's
-        # order: all states in pre-order, the root first.
+        # order: all states in pre-order, the root first, each state's groups last first.
         for state in ctx.all_states:
             state.modules_to_run.clear()
-            for g in state.groups:
+            for g in reversed(state.groups):
                 if g.training_state == TrainingState.PRE_BACKWARD:
                     g.post_backward(ctx)
         keep = [] if ctx.is_last_backward else ctx.reducing
