@@ -1,13 +1,14 @@
 """`requires_grad_()` after fully_shard: the gradient path shrinks to what requires grad
 ([Note: compacted gradients] in veragged/dbuffer/grads.py), with torch's numbers.
 
-Two ranks train the same model under torch's fully_shard and veragged's in one run, with the
-trainable set changing between steps as a user's script changes it: weights frozen after the
-optimizer exists (BitFit, PEFT's freeze after sharding), frozen while their `.grad` from the last
-step is still there (no `zero_grad` in between), unfrozen between two no-sync micro-batches,
-frozen between forward and backward, and everything unfrozen again. On two ranks each gradient
-element is the sum of the same two terms on both implementations, so losses, gradients and
-parameters are compared bitwise. The reduce-scatters are counted: after a freeze they carry the
+Two ranks (and four, as HSDP 2 x 2) train the same model under torch's fully_shard and
+veragged's in one run, with the trainable set changing between steps as a user's script changes
+it: weights frozen after the optimizer exists (BitFit, PEFT's freeze after sharding), frozen
+while their `.grad` from the last step is still there (no `zero_grad` in between), unfrozen
+between two no-sync micro-batches, frozen between forward and backward, and everything unfrozen
+again. Each gradient element is the same sum of the same terms on both implementations (HSDP:
+the shard group's pair, then the replicas' pair), so losses, gradients and parameters are
+compared bitwise. The reduce-scatters are counted: after a freeze they carry the
 trainable parameters' pieces of the largest rank slot and the verdict flags, no frozen element.
 """
 
@@ -105,13 +106,19 @@ def _train(impl: str):
     return out
 
 
-def _run():
-    return {impl: run_on_ranks(_train, 2, args=(impl,))[0] for impl in IMPLS}
+MESHES = {"1d": dict(world=2), "hsdp": dict(world=4, mesh_shape=(2, 2),
+                                             mesh_dim_names=("replicate", "shard"))}
 
 
-@pytest.fixture(scope="module")
-def runs():
-    return _run()
+def _run(mesh: str = "1d"):
+    kw = dict(MESHES[mesh])
+    world = kw.pop("world")
+    return {impl: run_on_ranks(_train, world, args=(impl,), **kw)[0] for impl in IMPLS}
+
+
+@pytest.fixture(scope="module", params=list(MESHES))
+def runs(request):
+    return _run(request.param)
 
 
 def test_requires_grad_changes_match_torch_bitwise(runs):
