@@ -73,7 +73,8 @@ class TestAdaptedMixedPrecisionTraining(FSDPTest):
         self.assertEqual(reduce_dtype(model), torch.float32)
 
         model.layers.requires_grad_(True)
-        orig_reduce_scatter = dist.reduce_scatter_single
+        # torch 2.15 reduce-scatters through reduce_scatter_single, torch 2.11 has none
+        orig_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
         def assert_fn(output: torch.Tensor):
             self.assertEqual(output.dtype, torch.float32)
