@@ -164,3 +164,73 @@ def test_mixed_precision_and_hsdp_on_2x2_mesh():
         timeout=120,
     ):
         assert all(res.values()), res
+
+
+def _compacted():
+    """[Note: compacted gradients] at the DBuffer level, on 4 ranks: a mask leaves tensors out
+    of the gradient buffer and the reduce-scatter; a tensor landing without room (frozen when
+    the layout was made) gets it in place, the gradients already landed moving with it; the
+    layout without verdict flags sends the gradients only."""
+    mesh = get_mesh()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tensors = _tensors()
+    buf = DBuffer(tensors, mesh, block_sizes=[b for *_, b in SHAPES])
+    full = buf._grads_numel()
+    n = len(tensors)
+
+    def rank_grad(i, t):
+        return torch.full(t.shape, float(rank + 1 + i)) * torch.linspace(0, 1, t.numel()).view(t.shape)
+
+    def mean_grad(i, t):
+        return sum(torch.full(t.shape, float(r + 1 + i)) for r in range(world)) / world * \
+            torch.linspace(0, 1, t.numel()).view(t.shape)
+
+    res = {}
+    mask = [i != 1 for i in range(n)]  # w_rows (the 64 x 24 tensor across slots) frozen
+    buf.set_grad_layout(mask)
+    sizes = []
+    orig = dist.reduce_scatter_tensor
+    dist.reduce_scatter_tensor = lambda out, inp, *a, **k: sizes.append(inp.numel()) or orig(
+        out, inp, *a, **k)
+    try:
+        buf.alloc_unsharded_grads(buf.landing_scale())
+        for i in (0, 2):
+            buf.land_grad(i, rank_grad(i, tensors[i][1]))
+        res["compacted"] = buf._grads_numel() < full
+        buf.land_grad(1, rank_grad(1, tensors[1][1]))  # no room: the layout grows in place
+        res["grew"] = buf.grad_mask == (True,) * n and buf._grads_numel() == full
+        for i in (3, 4):
+            buf.land_grad(i, rank_grad(i, tensors[i][1]))
+        buf.reduce_grads(unreached=[False] * n)
+        res["grads"] = all(
+            torch.allclose(p.grad.full_tensor(), mean_grad(i, t))
+            for i, (p, (_, t)) in enumerate(zip(buf.params, tensors)))
+        # frozen again, with its .grad bound: it keeps the values in memory of its own
+        kept = buf.params[1].grad.full_tensor()
+        buf.set_grad_layout(mask, flags=False)
+        res["kept"] = torch.equal(buf.params[1].grad.full_tensor(), kept) and (
+            buf.params[1].grad._local_tensor.untyped_storage().data_ptr()
+            != buf._shard_grad.untyped_storage().data_ptr())
+        res["others_moved"] = all(
+            torch.allclose(buf.params[i].grad.full_tensor(), mean_grad(i, tensors[i][1]))
+            for i in (0, 2, 3, 4))
+        for p in buf.params:
+            p.grad = None
+        buf.alloc_unsharded_grads(buf.landing_scale())
+        for i in (0, 2, 3, 4):
+            buf.land_grad(i, rank_grad(i, tensors[i][1]))
+        buf.reduce_grads()
+        trainable = sum(t.numel() for i, (_, t) in enumerate(tensors) if mask[i])
+        # no flags: the largest rank's trainable share per slot, nothing else
+        res["no_flags"] = sizes[-1] == world * buf._grad_slot and sizes[-1] >= trainable
+        res["grads_again"] = buf.params[1].grad is None and all(
+            torch.allclose(buf.params[i].grad.full_tensor(), mean_grad(i, tensors[i][1]))
+            for i in (0, 2, 3, 4))
+    finally:
+        dist.reduce_scatter_tensor = orig
+    return res
+
+
+def test_compacted_gradient_layouts():
+    for res in run_on_ranks(_compacted, 4, timeout=120):
+        assert all(res.values()), {k: v for k, v in res.items() if not v}

@@ -457,7 +457,8 @@ class GradientPath:
                       defer: bool = False) -> list[bool]:
         """Wait for a launched reduce-scatter and write the sharded gradients.
 
-        `bind[i]` says whether tensor i may receive its gradient (default: every tensor); of
+        `bind[i]` says whether tensor i may receive its gradient (default: every tensor with
+        room in the gradient buffer, [Note: compacted gradients]; never one without); of
         those marked unreached at launch, only the ones some rank reached do
         ([Note: unreached parameters]). The others keep their `.grad` as it was (None stays
         None). With `defer` the verdict for the tensors this rank did not reach is read at
@@ -504,6 +505,7 @@ class GradientPath:
                 with torch.get_device_module(self.compute_device.type).stream(stream):
                     fn(reduced)
         bind = [True] * n if bind is None else list(bind)
+        bind = [b and m for b, m in zip(bind, self._grad_mask)]  # no room, no gradient
         # Tensors this rank did not reach take the verdict of the flags: read once, for all.
         asked = [] if unreached is None else [i for i in range(n) if bind[i] and unreached[i]]
         verdict = None
