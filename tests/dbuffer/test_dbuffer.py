@@ -66,24 +66,29 @@ def test_layout_views_and_in_place_all_gather():
         assert all(res.values()), res
 
 
+def rank_grad(i, t, step=0):
+    """This rank's gradient for tensor i (`t`) at `step`."""
+    return torch.full(t.shape, float(dist.get_rank() + 1 + i + step)) * torch.linspace(
+        0, 1, t.numel()
+    ).view(t.shape)
+
+
+def mean_grad(i, t, step=0):
+    """The mean over the ranks of `rank_grad(i, t, step)`."""
+    world = dist.get_world_size()
+    return (
+        sum(torch.full(t.shape, float(r + 1 + i + step)) for r in range(world))
+        / world
+        * torch.linspace(0, 1, t.numel()).view(t.shape)
+    )
+
+
 def _gradients():
     mesh = get_mesh()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     tensors = _tensors()
     buf = DBuffer(tensors, mesh, block_sizes=[b for *_, b in SHAPES])
     res = {}
-
-    def rank_grad(i, t, step):
-        return torch.full(t.shape, float(rank + 1 + i + step)) * torch.linspace(
-            0, 1, t.numel()
-        ).view(t.shape)
-
-    def mean_grad(i, t, step):
-        return (
-            sum(torch.full(t.shape, float(r + 1 + i + step)) for r in range(world))
-            / world
-            * torch.linspace(0, 1, t.numel()).view(t.shape)
-        )
 
     with CopyCounter() as counter:
         buf.zero_unsharded_grads()
@@ -172,18 +177,11 @@ def _compacted():
     the layout was made) gets it in place, the gradients already landed moving with it; the
     layout without verdict flags sends the gradients only."""
     mesh = get_mesh()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     tensors = _tensors()
     buf = DBuffer(tensors, mesh, block_sizes=[b for *_, b in SHAPES])
     full = buf._grads_numel()
     n = len(tensors)
-
-    def rank_grad(i, t):
-        return torch.full(t.shape, float(rank + 1 + i)) * torch.linspace(0, 1, t.numel()).view(t.shape)
-
-    def mean_grad(i, t):
-        return sum(torch.full(t.shape, float(r + 1 + i)) for r in range(world)) / world * \
-            torch.linspace(0, 1, t.numel()).view(t.shape)
 
     res = {}
     mask = [i != 1 for i in range(n)]  # w_rows (the 64 x 24 tensor across slots) frozen

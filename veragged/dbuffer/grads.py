@@ -170,7 +170,7 @@ class GradientPath:
     def _grads_numel(self) -> int:
         return self.world * self._grad_stride
 
-    def _grad_pieces(self, i: int) -> list[tuple[int, int, torch.Tensor]]:
+    def _grad_pieces(self, i: int) -> list[tuple[int, int, torch.Tensor]] | None:
         """Tensor i's gradient as views of the gradient buffer: (first, last) flat elements
         of the gradient and the view they land in. `[(None, None, view)]`, one view of the
         tensor's shape, when it lies in one slot; else its part in the first slot, the whole
@@ -218,6 +218,7 @@ class GradientPath:
         old_stride, old_flags = self._grad_stride, self._flags
         old_grads = self._grads if self.grads_allocated else None
         old_partial, old_shard = self._partial, self._shard_grad
+        bound = [self._bound(p) for p in self.params]  # views of old_shard
         self._plan_grads(mask, flags)
         self._grads = torch.empty(self._grads_numel(), dtype=self.reduce_dtype,
                                   device=self.compute_device)
@@ -238,10 +239,7 @@ class GradientPath:
         if old_shard is not None:
             self._shard_grad = self._move_local(old_shard, old_local, keep, old_flags)
             for i, (p, e) in enumerate(zip(self.params, self.entries)):
-                g = p.grad
-                if g is None or not isinstance(g, DTensor) or (
-                        g._local_tensor.untyped_storage().data_ptr()
-                        != old_shard.untyped_storage().data_ptr()):
+                if not bound[i]:
                     continue
                 if mask[i]:
                     p.grad = self._sharded(e, self._shard_grad, requires_grad=False,

@@ -58,12 +58,12 @@ class UnshardHandle:
         self._groups = None
 
 
-
 # An unset `MixedPrecisionPolicy.reduce_dtype`: torch 2.15's FSDP2 computes, reduces and keeps
 # gradients in the parameter's own dtype (its `FSDPParam.unsharded_grad_dtype` falls back to
 # `orig_dtype`); torch 2.11's FSDP2, which has no such property, reduces in `param_dtype`. Ours
 # follows the torch it runs with (the property is read, never called).
 _UNSET_REDUCE_DTYPE_IS_ORIG = hasattr(_TorchFSDPParam, "unsharded_grad_dtype")
+
 
 def _unsupported(name: str):
     def method(self, *args, **kwargs):
