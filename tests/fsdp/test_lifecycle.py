@@ -679,3 +679,133 @@ def test_chunked_head_grouped_matches_torch(reshard):
         for rank in range(2):
             assert res[rank]["head.weight"] is not None
             _same(ref[rank], res[rank], atol=1e-5)
+
+
+# --- a module the sync backward does not reach; a prefetch kept across backwards ---------------
+
+def _unreached_in_sync_backward(impl):
+    """Micro-batch 0 (no gradient sync) uses `extra`, micro-batch 1 (sync) does not: torch's
+    end-of-backward callback runs post-backward on `extra`'s group too and reduces the gradients
+    micro-batch 0 left in it."""
+    torch.manual_seed(0)
+    model = _shard(Net(), impl)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    out = []
+    for step in range(2):
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            x = _data(2 * step + micro, dist.get_rank())
+            model(x, use_extra=micro == 0).sum().backward()
+        out.append(_grads(model))
+        optim.step()
+        optim.zero_grad()
+    return out, _params(model)
+
+
+def test_no_sync_gradients_of_a_module_the_sync_backward_skips():
+    res = _run_both(_unreached_in_sync_backward)
+    for rank in range(2):
+        (g_t, p_t), (g_v, p_v) = res["torch"][rank], res["veragged"][rank]
+        assert g_v[0]["extra.lin.weight"] is not None
+        for a, b in zip(g_t, g_v):
+            _same(a, b, atol=1e-6)
+        _same(p_t, p_v, atol=1e-6)
+
+
+class Split(nn.Module):
+    """A shared first layer, then two heads whose losses go through separate backwards."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.first = nn.Linear(dim, dim)
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = self.first(x)
+        return self.a(h), self.b(h)
+
+
+def _prefetch_across_step(scale):
+    """Micro-batch 0's backward goes through `b` only; `b`'s pre-backward prefetches `a` (the
+    module before it in forward), which that backward does not use, and a non-last backward
+    keeps the prefetch (as torch keeps it). Between micro-batches the user scales `a`'s weight
+    in place: the next forward must all-gather again, not use the kept prefetch."""
+    torch.manual_seed(0)
+    model = Split()
+    for m in (model.first, model.a, model.b, model):
+        veragged.fully_shard(m)
+    outs = []
+    for micro in range(2):
+        model.set_is_last_backward(micro == 1)
+        out_a, out_b = model(_data(micro, dist.get_rank()).repeat(1, 2))
+        outs.append(out_a.detach().clone())
+        (out_b if micro == 0 else out_a).square().sum().backward()
+        with torch.no_grad():
+            model.a.weight.mul_(scale)
+    return outs, _grads(model)
+
+
+def _prefetch_reference(rank, scale):
+    """The same micro-batches without FSDP on one process: the gradient is the mean over both
+    ranks' losses."""
+    torch.manual_seed(0)
+    model = Split()
+    outs = []
+    for micro in range(2):
+        loss = 0
+        for r in range(2):
+            out_a, out_b = model(_data(micro, r).repeat(1, 2))
+            if r == rank:
+                outs.append(out_a.detach().clone())
+            loss = loss + (out_b if micro == 0 else out_a).square().sum() / 2
+        loss.backward()
+        with torch.no_grad():
+            model.a.weight.mul_(scale)
+    return outs, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_prefetch_kept_across_a_backward(scale):
+    res = get_pool(2).run(_prefetch_across_step, scale)
+    for rank in range(2):
+        (outs, grads), (ref_outs, ref_grads) = res[rank], _prefetch_reference(rank, scale)
+        for got, want in zip(outs, ref_outs):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        _same(grads, ref_grads, atol=1e-5)
+
+
+# --- set_keep_unsharded_storage ----------------------------------------------------------------
+
+def _keep_storage(impl):
+    """Training with the unsharded memory kept across reshards: the same numbers as without,
+    the same data pointers every iteration (torch 2.11 has no such method: its side runs
+    without it, which gives the same numbers)."""
+    torch.manual_seed(0)
+    model = _shard(Net(), impl)
+    if hasattr(model, "set_keep_unsharded_storage"):
+        model.set_keep_unsharded_storage(True)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ptrs, kept = [], []
+    for step in range(3):
+        model(_data(step, dist.get_rank()), use_extra=True).sum().backward()
+        optim.step()
+        optim.zero_grad()
+        if impl == "veragged":
+            groups = model._groups(recurse=True)
+            kept.append(all(not g.is_unsharded and g.buffer._unsharded.untyped_storage().size()
+                            for g in groups))
+            ptrs.append([g.buffer._unsharded.data_ptr() for g in groups])
+    if impl == "veragged":  # off again: the memory goes at once
+        model.set_keep_unsharded_storage(False)
+        kept.append(all(g.buffer._unsharded.untyped_storage().size() == 0
+                        for g in model._groups(recurse=True)))
+    return _params(model), kept, all(p == ptrs[0] for p in ptrs)
+
+
+def test_keep_unsharded_storage():
+    res = _run_both(_keep_storage)
+    for rank in range(2):
+        (p_t, _, _), (p_v, kept, same_ptrs) = res["torch"][rank], res["veragged"][rank]
+        _same(p_t, p_v, atol=1e-6)
+        assert all(kept) and same_ptrs

@@ -226,7 +226,7 @@ def record_events(
             return group.training_state.name
 
         def unshard_event(group) -> Optional[tuple]:
-            if not group.buffer.is_unsharded:
+            if group.needs_gather:
                 return ("unshard", module_fqn(root, group), state_name(group))
             return None
 

@@ -127,6 +127,7 @@ class DBuffer(GradientPath):
                         shard[b : b + n].copy_(self._local_part(e, t.detach()))
         self.params = self._make_buffers(shard)
         self._gather_work = None
+        self._gathered_params: tuple[int, ...] | None = None  # sharded versions at the gather
         self._reduce = None  # a launched reduce-scatter and how to finish it
         self._pending = None  # verdicts still being read after it finished (grads.py)
 
@@ -184,6 +185,7 @@ class DBuffer(GradientPath):
                                       device=self.compute_device)
         self.unsharded_params = [self._unsharded_param(e) for e in self.entries]
         self._free(self._unsharded)
+        self._holds = False
         # Gradients land in the reduce dtype, as torch's FSDP2 copies them into its reduce-scatter
         # input (and accumulates no-sync micro-batches) in it: [Note: gradient landing].
         # Its slots end with the verdict flags: [Note: unreached parameters].
@@ -335,22 +337,35 @@ class DBuffer(GradientPath):
         """Built under `torch.device("meta")` and not materialised yet (`to_empty`, a load)."""
         return self.device.type == "meta"
 
+    # `set_keep_unsharded_storage(True)`: reshard keeps the unsharded buffer's memory (its data
+    # pointers stay the same across iterations, for CUDA graphs); its values still count as gone.
+    keep_storage = False
+
     @property
     def is_unsharded(self) -> bool:
-        return self._unsharded.untyped_storage().size() > 0
+        """Whether the unsharded buffer holds (or is being all-gathered) the parameters."""
+        return self._holds
+
+    def set_keep_storage(self, keep: bool) -> None:
+        self.keep_storage = bool(keep)
+        if not keep and not self._holds:
+            self._free(self._unsharded)
 
     def unshard(self, async_op: bool = False):
         """All-gather the shards into the unsharded buffer (allocated if freed).
 
         Returns the collective's work handle (None once waited for); `wait_unshard()` waits.
         """
+        self.wait_unshard()  # a stale gather still in flight (`gather_is_current`) ends first
         self._alloc(self._unsharded)
+        self._holds = True
         S = self.shard_size
         # Refilling the buffer is not a change autograd must see: tensors saved from the
         # unsharded views in forward are read in backward after this all-gather restored them.
         # The version is restored after the wait, as a backend may write the output (and bump
         # its version) on its own thread any time before the wait returns (gloo copies out).
         self._gather_version = self._unsharded._version
+        self._gathered_params = self._params_version()
         post_forward, self._post_forward = self._post_forward, None
         out = self._gather_output()
         group = self.group
@@ -379,6 +394,11 @@ class DBuffer(GradientPath):
         if not async_op:
             self.wait_unshard()
         return self._gather_work
+
+    def gather_is_current(self) -> bool:
+        """Whether the unsharded buffer holds the sharded parameters' current values (no
+        in-place write to them since its all-gather started)."""
+        return self.is_unsharded and self._gathered_params == self._params_version()
 
     def wait_unshard(self) -> None:
         if self._gather_work is not None:
@@ -427,4 +447,6 @@ class DBuffer(GradientPath):
             chunk = self._unsharded.numel() // k  # k divides the world, so P * S
             keep = self._rank_major(self._unsharded)[j * chunk : (j + 1) * chunk].clone()
             self._post_forward = (keep, post_forward_group, self._params_version())
-        self._free(self._unsharded)
+        self._holds = False
+        if not self.keep_storage:
+            self._free(self._unsharded)

@@ -48,7 +48,9 @@ collective torch's backward does not issue. It cannot be zero while the guarante
 that reached a tensor another did not must tell it, and the gradient elements cannot carry the
 news (a reached rank's gradient may be exactly zero, and its sum with anything is another
 gradient), so the bits must travel somewhere; torch sends none and aborts instead when ranks
-reach different parameters. With `set_reduce_scatter_unused_params(True)` (torch's answer to
+reach different parameters. (Filling unreached ranges with -0.0 would let a tensor's own
+elements carry its verdict, since IEEE sums give -0.0 only from -0.0 alone, but only to ranks
+holding part of it: a RaggedShard layout keeps most tensors on a few ranks, so the flags stay.) With `set_reduce_scatter_unused_params(True)` (torch's answer to
 such routing: every trainable parameter gets a gradient, zeros where no rank reached it) no
 verdict is needed, and the buffer is laid out without flags (`set_grad_layout(flags=False)`):
 the reduce-scatter then carries the trainable gradients only, as torch's.

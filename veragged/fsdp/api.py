@@ -194,6 +194,13 @@ class FSDPModule(TorchFSDPModule):
         for g in self._groups(recurse):
             g.reduce_scatter_unused_params = reduce_scatter_unused_params
 
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Keep each DBuffer's unsharded memory across reshards (its data pointers then stay
+        the same, for CUDA graph capture), at the cost of that memory; the next unshard
+        all-gathers into it again."""
+        for g in self._groups(recurse):
+            g.buffer.set_keep_storage(keep)
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         for g in self._veragged_state.groups:
             g.unshard_in_backward = unshard_in_backward
@@ -205,7 +212,6 @@ class FSDPModule(TorchFSDPModule):
     set_custom_reduce_scatter = _unsupported("set_custom_reduce_scatter")
     set_manual_backward_finalization = _unsupported("set_manual_backward_finalization")
     finalize_backward = _unsupported("finalize_backward")
-    set_keep_unsharded_storage = _unsupported("set_keep_unsharded_storage")
     set_separate_reduce_scatter_group = _unsupported("set_separate_reduce_scatter_group")
     set_allocate_memory_from_process_group_for_comm = _unsupported(
         "set_allocate_memory_from_process_group_for_comm"

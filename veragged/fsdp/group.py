@@ -96,9 +96,18 @@ class ParamGroup:
     def is_unsharded(self) -> bool:
         return self._registered is self.unsharded
 
+    @property
+    def needs_gather(self) -> bool:
+        """Whether `unshard` all-gathers: the buffer is free, or holds a prefetch that no
+        module registered and the sharded parameters changed since it was gathered (a prefetch
+        a non-last backward did not use is kept, as torch keeps it: an optimizer step before
+        the next backward must not leave it stale)."""
+        buf = self.buffer
+        return not buf.is_unsharded or (not self.is_unsharded and not buf.gather_is_current())
+
     def unshard(self, async_op: bool = False) -> None:
         """Start the all-gather unless the buffer already holds (or is gathering) the params."""
-        if not self.buffer.is_unsharded:
+        if self.needs_gather:
             self.buffer.unshard(async_op=True)
         if not async_op:
             self.wait_for_unshard()
@@ -250,19 +259,22 @@ class ParamGroup:
         """Reduce this backward's gradients (or keep them, without gradient sync) and reshard.
 
         Idempotent within a pass: a second call without a pre-backward in between does nothing.
-        The reduce-scatter always covers the whole buffer, so it is the same collective on
-        every rank whatever each rank's data reached ([Note: fully_shard lifecycle]).
+        As torch's, it also runs (from the end-of-backward callback) for a group this backward
+        never reached: gradients an earlier no-sync backward left are then reduced, and
+        parameters unsharded since forward are resharded. The reduce-scatter always covers the
+        whole buffer, so it is the same collective on every rank whatever each rank's data
+        reached ([Note: fully_shard lifecycle]).
         """
-        if self.training_state != TrainingState.PRE_BACKWARD:
-            if self.training_state == TrainingState.FORWARD:
-                self.training_state = TrainingState.POST_BACKWARD
+        state = self.training_state
+        if state == TrainingState.POST_BACKWARD:
             return
         self.training_state = TrainingState.POST_BACKWARD
-        for u in self.unsharded:
-            u.grad = None
+        if state == TrainingState.PRE_BACKWARD:
+            for u in self.unsharded:
+                u.grad = None
         if self._grads_live and self.reduce_grads:  # else no-sync: they stay and accumulate
             self._launch_reduce(ctx)
-        if self.reshard_after_backward:
+        if self.reshard_after_backward and self.is_unsharded:  # a prefetch stays in flight
             self.reshard()
 
     def _launch_reduce(self, ctx) -> None:
@@ -308,16 +320,20 @@ class ParamGroup:
 
     def finalize_backward(self, ctx, wait: bool = True) -> None:
         """End of backward: post-backward if autograd never called it, wait for reductions."""
-        if self.training_state == TrainingState.PRE_BACKWARD:
+        if self.training_state != TrainingState.POST_BACKWARD:
             self.post_backward(ctx)
         if wait:
             self.finish_reduce()
         self.resolve_grads()
         if self.reshard_after_backward and self.is_unsharded and self.reduce_grads:
             self.reshard()
-        elif not self.is_unsharded and self.buffer.is_unsharded:
-            self.buffer.reshard()  # a prefetch no backward used: its values go stale at step()
-        self.post_forward_indices.clear()
+        elif not self.is_unsharded and self.buffer.is_unsharded and ctx.is_last_backward:
+            # A prefetch no backward used: freed after the last backward (torch keeps it to
+            # the next unshard); kept across gradient accumulation, where the next backward
+            # uses it unless the parameters changed since (`needs_gather`).
+            self.buffer.reshard()
+        if ctx.is_last_backward:  # a later backward of this forward may still prefetch by them
+            self.post_forward_indices.clear()
         self.training_state = TrainingState.IDLE
 
     def reset(self) -> None:

@@ -32,9 +32,12 @@ POST_BACKWARD -> IDLE), always in the methods below, never elsewhere:
   every trainable parameter a gradient instead). Frozen parameters have no gradient view.
   Launching a reduce-scatter finishes the oldest in flight beyond
   `set_reduce_scatter_max_input_buffers` (default 1), bounding the live gradient buffers.
-- The root's end-of-backward callback runs post-backward for every state of the tree that is
-  still in PRE_BACKWARD (modules whose inputs needed no gradient), waits for every reduction,
+- The root's end-of-backward callback runs post-backward for every group of the tree not in
+  POST_BACKWARD, as torch's does (modules whose inputs needed no gradient; modules this
+  backward did not reach, whose no-sync gradients it then reduces), waits for every reduction,
   reshards and returns everything to IDLE. It covers every state, used this iteration or not.
+  A prefetch no backward used is kept across a non-last backward (as torch keeps it), freed
+  after the last one, and gathered again if the parameters changed since.
 - Activation checkpointing: a forward that runs while the state is PRE_BACKWARD is a
   recomputation; it only makes sure the parameters are unsharded and changes no state.
 Collectives are issued in forward order and reverse forward order of the modules that ran,
@@ -368,12 +371,13 @@ class FSDPState:
     def _root_post_backward_final_callback(self) -> None:
         ctx = self.ctx
         ctx.iter_forward_root = None
-        # Post-backwards autograd never ran (a module whose inputs need no gradient), in torch's
-        # order: all states in pre-order, the root first, each state's groups last first.
+        # Post-backwards autograd never ran (a module whose inputs need no gradient, or one
+        # this backward did not reach), in torch's order: all states in pre-order, the root
+        # first, each state's groups last first.
         for state in ctx.all_states:
             state.modules_to_run.clear()
             for g in reversed(state.groups):
-                if g.training_state == TrainingState.PRE_BACKWARD:
+                if g.training_state != TrainingState.POST_BACKWARD:
                     g.post_backward(ctx)
         keep = [] if ctx.is_last_backward else ctx.reducing
         for state in reversed(ctx.all_states):
@@ -381,7 +385,8 @@ class FSDPState:
                 g.finalize_backward(ctx, wait=g not in keep)
             state.training_state = TrainingState.IDLE
         ctx.reducing = keep
-        ctx.post_forward_order.clear()
+        if ctx.is_last_backward:  # as torch: the forward order serves every backward until then
+            ctx.post_forward_order.clear()
         ctx.callback_queued = False
 
     def reset_iter_state(self) -> None:
