@@ -809,3 +809,51 @@ def test_keep_unsharded_storage():
         (p_t, _, _), (p_v, kept, same_ptrs) = res["torch"][rank], res["veragged"][rank]
         _same(p_t, p_v, atol=1e-6)
         assert all(kept) and same_ptrs
+
+
+# --- manual backward finalization (torch 2.15; torch's pipelining stages use it) ---------------
+
+TORCH_HAS_MANUAL_FINALIZATION = hasattr(TorchFSDPModule, "finalize_backward")
+
+
+def _manual_finalization(impl):
+    torch.manual_seed(0)
+    model = _shard(Net(), impl)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    out, errors = [], []
+    for step in range(3):
+        manual = step < 2
+        model.set_manual_backward_finalization(manual)
+        for micro in range(2):
+            model.set_requires_gradient_sync(not manual or micro == 1)
+            x = _data(2 * step + micro, dist.get_rank())
+            model(x, use_extra=micro == 0).sum().backward()
+        if manual:
+            model.set_requires_gradient_sync(True)
+            handle = model.finalize_backward(async_op=step == 1)
+            if handle is not None:
+                try:
+                    model(_data(0))
+                except RuntimeError as e:
+                    errors.append(str(e))
+                handle.wait()
+        out.append(_grads(model))
+        optim.step()
+        optim.zero_grad()
+    model.set_manual_backward_finalization(False)
+    try:
+        model.finalize_backward()
+    except RuntimeError as e:
+        errors.append(str(e))
+    return out, _params(model), errors
+
+
+@pytest.mark.skipif(not TORCH_HAS_MANUAL_FINALIZATION, reason="torch 2.15's FSDP2 API")
+def test_manual_backward_finalization():
+    res = _run_both(_manual_finalization)
+    for rank in range(2):
+        (g_t, p_t, e_t), (g_v, p_v, e_v) = res["torch"][rank], res["veragged"][rank]
+        for a, b in zip(g_t, g_v):
+            _same(a, b, atol=1e-6)
+        _same(p_t, p_v, atol=1e-6)
+        assert e_v == e_t and len(e_v) == 2, (e_t, e_v)

@@ -59,7 +59,7 @@ trainable tensor of the buffer (it knows the tensors it reached): one read per b
 its flags. Inside backward (`finish_reduce(defer=True)`, the group's state after its
 post-backward) the read is started without waiting (a copy to pinned host memory and an event on
 an accelerator) and the gradients of those tensors are bound at the end of backward
-(`resolve_grads`, from `finalize_backward`), so backward does not stall the host per group; any
+(`resolve_grads`, from `ParamGroup.end_backward`), so backward does not stall the host per group; any
 later use of the buffer (the next reduction, `apply_`) resolves first. Tensors this rank reached
 are bound when their reduction finishes; hooks on the sharded parameters (an optimizer step in
 backward) run when the gradient is bound, so for the others at the end of backward.

@@ -17,6 +17,11 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam as _TorchFSDPParam
 from torch.distributed.tensor import DTensor, Shard
 
+try:  # torch 2.15: `finalize_backward(async_op=True)`'s handle type (absent on 2.11)
+    from torch.distributed.fsdp._fully_shard import GradientReductionHandle as _TorchReductionHandle
+except ImportError:
+    _TorchReductionHandle = None
+
 from veragged.dbuffer.buffer import DBuffer
 from veragged.dbuffer.chunked import ChunkedDBuffer
 from veragged.dbuffer.spmd import spmd_param, tp_block_size
@@ -44,6 +49,22 @@ __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
 # across two calls) raises instead of silently untying it.
 _MANAGED: "weakref.WeakValueDictionary[int, nn.Parameter]" = weakref.WeakValueDictionary()
 _CLASS_CACHE: dict[type, type] = {}  # one FSDP class per original class (torch.compile guards)
+
+
+class GradientReductionHandle(*([_TorchReductionHandle] if _TorchReductionHandle else [])):
+    """Returned by `FSDPModule.finalize_backward(async_op=True)`; `wait()` waits for the
+    gradient reductions and ends the backward iteration."""
+
+    def __init__(self, state):
+        self._state = state
+
+    def wait(self) -> None:
+        state, self._state = self._state, None
+        if state is None:
+            return
+        if state.ctx.reduction is not self:
+            raise RuntimeError("This gradient reduction handle was invalidated")
+        state.end_iteration()
 
 
 class UnshardHandle:
@@ -194,6 +215,39 @@ class FSDPModule(TorchFSDPModule):
         for g in self._groups(recurse):
             g.reduce_scatter_unused_params = reduce_scatter_unused_params
 
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """Whether `finalize_backward()` (not the end of each backward) ends the backward
+        iteration: [Note: manual backward finalization]. On the root, before backward."""
+        state = self._veragged_state
+        ctx = state.ctx
+        if state.is_root is False:
+            raise RuntimeError(
+                "set_manual_backward_finalization must be called on the root FSDP module"
+            )
+        if enabled != ctx.manual_finalization and torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("set_manual_backward_finalization cannot change mode during backward")
+        if ctx.manual_active is not None and enabled != ctx.manual_active:
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode after backward starts"
+            )
+        ctx.manual_finalization = bool(enabled)
+
+    @torch.compiler.disable
+    def finalize_backward(self, *, async_op: bool = False) -> "GradientReductionHandle | None":
+        """Reduce and reshard what the backwards since the last finalization left, then wait
+        for the reductions, or with `async_op` return a handle whose `wait()` does."""
+        state = self._veragged_state
+        if state.is_root is None:  # before the first forward: nothing to finalize
+            return GradientReductionHandle(None) if async_op else None
+        state.check_finalize()
+        if not async_op:
+            state.finalize_backward(wait=True)
+            return None
+        state.finalize_backward(wait=False)
+        handle = GradientReductionHandle(state)
+        state.ctx.reduction = handle
+        return handle
+
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """Keep each DBuffer's unsharded memory across reshards (its data pointers then stay
         the same, for CUDA graph capture), at the cost of that memory; the next unshard
@@ -210,8 +264,6 @@ class FSDPModule(TorchFSDPModule):
 
     set_custom_all_gather = _unsupported("set_custom_all_gather")
     set_custom_reduce_scatter = _unsupported("set_custom_reduce_scatter")
-    set_manual_backward_finalization = _unsupported("set_manual_backward_finalization")
-    finalize_backward = _unsupported("finalize_backward")
     set_separate_reduce_scatter_group = _unsupported("set_separate_reduce_scatter_group")
     set_allocate_memory_from_process_group_for_comm = _unsupported(
         "set_allocate_memory_from_process_group_for_comm"

@@ -318,21 +318,20 @@ class ParamGroup:
                 for fn in tuple((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
                     fn(p)
 
-    def finalize_backward(self, ctx, wait: bool = True) -> None:
-        """End of backward: post-backward if autograd never called it, wait for reductions."""
-        if self.training_state != TrainingState.POST_BACKWARD:
-            self.post_backward(ctx)
+    def end_backward(self, ctx, wait: bool = True, last: bool = True) -> None:
+        """End of a backward (`last`: of the backward iteration): wait for this group's
+        reduction (if `wait`), bind the gradients waiting for a verdict, reshard."""
         if wait:
             self.finish_reduce()
         self.resolve_grads()
         if self.reshard_after_backward and self.is_unsharded and self.reduce_grads:
             self.reshard()
-        elif not self.is_unsharded and self.buffer.is_unsharded and ctx.is_last_backward:
+        elif not self.is_unsharded and self.buffer.is_unsharded and last:
             # A prefetch no backward used: freed after the last backward (torch keeps it to
             # the next unshard); kept across gradient accumulation, where the next backward
             # uses it unless the parameters changed since (`needs_gather`).
             self.buffer.reshard()
-        if ctx.is_last_backward:  # a later backward of this forward may still prefetch by them
+        if last:  # a later backward of this forward may still prefetch by them
             self.post_forward_indices.clear()
         self.training_state = TrainingState.IDLE
 

@@ -42,6 +42,18 @@ POST_BACKWARD -> IDLE), always in the methods below, never elsewhere:
   recomputation; it only makes sure the parameters are unsharded and changes no state.
 Collectives are issued in forward order and reverse forward order of the modules that ran,
 which is the same on every rank when the same modules run.
+
+[Note: manual backward finalization]
+`set_manual_backward_finalization(True)` on the root (torch 2.15; torch's pipelining stages call
+it) moves the end of the backward iteration from autograd's callback to `finalize_backward()`.
+The mode is taken when a backward starts (`StateContext.manual_active`) and holds until the
+iteration ends. In that mode the callback of every backward acts as for a non-last backward
+(reductions in flight stay so, the forward order stays) and leaves the groups that would reduce
+(gradient sync on) untouched; `finalize_backward` then runs their post-backward in reverse
+module order, which reduces what the backwards accumulated and reshards as the groups' settings
+say, and ends the iteration: waits for every reduction and binds the gradients. With
+`async_op=True` the end waits for `GradientReductionHandle.wait()`; until then a forward or a
+second finalization raises (torch's errors), and `reset_iter_state` invalidates the handle.
 """
 
 from __future__ import annotations
@@ -89,6 +101,10 @@ class StateContext:
         self.reducing: list[ParamGroup] = []  # groups whose reduce-scatter is in flight, oldest first
         self.max_reducing = 1  # set_reduce_scatter_max_input_buffers: max over the states
         self.is_last_backward = True  # False: the last reduce-scatter may stay in flight
+        # [Note: manual backward finalization]
+        self.manual_finalization = False  # set_manual_backward_finalization
+        self.manual_active: bool | None = None  # the mode the current backward iteration took
+        self.reduction: object | None = None  # a finalize_backward(async_op=True) not waited on
 
     def resolve_max_reducing(self) -> None:
         """One pipeline of reduce-scatters for the tree: the largest cap any state asked for."""
@@ -179,6 +195,10 @@ class FSDPState:
             # in an init function) are taken into the DBuffers, as torch's lazy init resets
             # sharded parameters from what the modules hold.
             take_assigned(state)
+            if state is not self and state.ctx.manual_finalization:
+                raise RuntimeError(
+                    "set_manual_backward_finalization must be called on the root FSDP module"
+                )
             if state is not self and state.is_root is not None:
                 raise RuntimeError(
                     f"fully_shard state of {name!r} was already initialised: run forward "
@@ -250,6 +270,10 @@ class FSDPState:
         first = self.training_state != TrainingState.FORWARD
         if first:
             self.lazy_init()
+            if self.ctx.reduction is not None:
+                raise RuntimeError(
+                    "The previous gradient reduction must be waited on before forward"
+                )
         self.training_state = TrainingState.FORWARD
         if first:
             if self.ctx.iter_forward_root is None:
@@ -338,6 +362,8 @@ class FSDPState:
         ctx = self.ctx
         if not ctx.callback_queued:
             ctx.callback_queued = True
+            if ctx.manual_active is None:
+                ctx.manual_active = ctx.manual_finalization
             Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
         for g in self.groups:
             g.pre_backward()
@@ -371,23 +397,88 @@ class FSDPState:
     def _root_post_backward_final_callback(self) -> None:
         ctx = self.ctx
         ctx.iter_forward_root = None
+        manual = bool(ctx.manual_active)
         # Post-backwards autograd never ran (a module whose inputs need no gradient, or one
         # this backward did not reach), in torch's order: all states in pre-order, the root
-        # first, each state's groups last first.
+        # first, each state's groups last first. Under manual finalization a group that would
+        # reduce waits for `finalize_backward` instead.
         for state in ctx.all_states:
             state.modules_to_run.clear()
             for g in reversed(state.groups):
-                if g.training_state != TrainingState.POST_BACKWARD:
+                if g.training_state == TrainingState.POST_BACKWARD:
+                    continue
+                if manual and g.reduce_grads:
+                    g.training_state = TrainingState.IDLE
+                else:
                     g.post_backward(ctx)
-        keep = [] if ctx.is_last_backward else ctx.reducing
+        last = ctx.is_last_backward and not manual
+        keep = [] if last else ctx.reducing
         for state in reversed(ctx.all_states):
             for g in reversed(state.groups):
-                g.finalize_backward(ctx, wait=g not in keep)
+                g.end_backward(ctx, wait=g not in keep, last=last)
             state.training_state = TrainingState.IDLE
         ctx.reducing = keep
-        if ctx.is_last_backward:  # as torch: the forward order serves every backward until then
+        if last:  # as torch: the forward order serves every backward until then
             ctx.post_forward_order.clear()
+            ctx.manual_active = None
         ctx.callback_queued = False
+
+    # --- manual backward finalization ---------------------------------------------------------
+
+    def finalize_backward(self, wait: bool) -> None:
+        """`FSDPModule.finalize_backward` on the root ([Note: manual backward finalization]):
+        reduce what backwards left (following the groups' current gradient-sync settings) and
+        reshard, in reverse module order; with `wait`, also end the iteration."""
+        ctx = self.ctx
+        for state in reversed(ctx.all_states):
+            for g in reversed(state.groups):
+                g.post_backward(ctx)  # an IDLE group: reduces its pending gradients, reshards
+        if wait:
+            self.end_iteration()
+
+    def end_iteration(self) -> None:
+        """Wait for every reduction, bind the gradients, return everything to IDLE."""
+        ctx = self.ctx
+        for state in reversed(ctx.all_states):
+            for g in reversed(state.groups):
+                g.end_backward(ctx, wait=True, last=True)
+            state.training_state = TrainingState.IDLE
+        ctx.reducing = []
+        ctx.post_forward_order.clear()
+        ctx.manual_active = None
+        ctx.reduction = None
+
+    def check_finalize(self) -> None:
+        """torch's checks (and words) before `finalize_backward`."""
+        ctx = self.ctx
+        if ctx.reduction is not None:
+            raise RuntimeError(
+                "The previous gradient reduction must be waited on before finalizing backward "
+                "again"
+            )
+        if not self.is_root:
+            raise RuntimeError("finalize_backward must be called on the root FSDP module")
+        manual = ctx.manual_active if ctx.manual_active is not None else ctx.manual_finalization
+        if not manual:
+            raise RuntimeError(
+                "FSDP finalize_backward requires manual backward finalization. Call "
+                "set_manual_backward_finalization(True) before forward"
+            )
+        if ctx.callback_queued:
+            raise RuntimeError("FSDP finalize_backward must be called after backward completes")
+        for state in ctx.all_states:
+            for g in state.groups:
+                if g.buffer._partial is not None:
+                    raise RuntimeError(
+                        "FSDP manual backward finalization does not support partial gradient "
+                        f"reductions for parameter group {g!r}. Use automatic backward "
+                        "finalization for this configuration"
+                    )
+                if g.reduce_grads and not g.all_reduce_grads and g.buffer._replica_dims():
+                    raise RuntimeError(
+                        "FSDP manual backward finalization requires all-reduce for parameter "
+                        f"group {g!r}. Call set_requires_all_reduce(True) before finalization"
+                    )
 
     def reset_iter_state(self) -> None:
         ctx = self.ctx
@@ -400,3 +491,5 @@ class FSDPState:
         ctx.post_forward_order.clear()
         ctx.iter_forward_root = None
         ctx.callback_queued = False
+        ctx.manual_active = None
+        ctx.reduction = None  # invalidates an outstanding GradientReductionHandle
