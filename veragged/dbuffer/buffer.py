@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
-from veragged.dbuffer import ops
+from veragged.dbuffer import comms, ops
 from veragged.dbuffer.entries import Entry as _Entry, ragged_placement
 from veragged.dbuffer.grads import GradientPath
 from veragged.dbuffer.memory import (
@@ -71,6 +71,12 @@ class DBuffer(GradientPath):
         reduce_in_own_dtype: without `reduce_dtype`, reduce in the tensors' own dtype (the
             shard's, following casts; torch 2.15's FSDP2) instead of `param_dtype`.
     """
+
+    # Collectives through comm objects, and the reduce-scatter's own process group (None: the
+    # default path, the shard group): [Note: custom comms]
+    all_gather_comm = None
+    reduce_scatter_comm = None
+    reduce_scatter_group: dist.ProcessGroup | None = None
 
     def __init__(
         self,
@@ -127,6 +133,7 @@ class DBuffer(GradientPath):
                         shard[b : b + n].copy_(self._local_part(e, t.detach()))
         self.params = self._make_buffers(shard)
         self._gather_work = None
+        self._gather_stage = None  # (comm's staging buffer, the all-gather output) until the wait
         self._reduce = None  # a launched reduce-scatter and how to finish it
         self._pending = None  # verdicts still being read after it finished (grads.py)
 
@@ -353,6 +360,10 @@ class DBuffer(GradientPath):
         self._gather_version = self._unsharded._version
         post_forward, self._post_forward = self._post_forward, None
         out = self._gather_output()
+        # Through the comm, staged in its buffer: [Note: custom comms]
+        comm = self.all_gather_comm if self.world > 1 else None
+        comm = comm if comms.stages(comm, out.device) else None
+        dest = out if comm is None else comms.allocate(comm, out.numel(), out.dtype, out.device)
         group = self.group
         if post_forward is not None and post_forward[2] == self._params_version():
             source, group, _ = post_forward  # reshard_after_forward=k: gather within k ranks
@@ -360,7 +371,7 @@ class DBuffer(GradientPath):
         elif self.param_dtype == self.dtype and not self.offload:
             source = self.shard
         else:  # cast (or copy to the device) into this rank's own slot, then gather in place
-            source = out[self.rank * S : (self.rank + 1) * S]
+            source = dest[self.rank * S : (self.rank + 1) * S]
             if self.offload:
                 source.copy_(self.shard, non_blocking=self._pin)
             else:
@@ -371,21 +382,26 @@ class DBuffer(GradientPath):
             self._gather_work = None
             self._finish_gather()
         else:
-            # Gathered as bytes, as torch's FSDP2 does: every parameter dtype (float8, uint16,
+            # As bytes by default, as torch's FSDP2 does: every parameter dtype (float8, uint16,
             # ...) moves, whatever dtypes the backend reduces (gloo refuses several).
-            self._gather_work = dist.all_gather_into_tensor(
-                out.view(torch.uint8), source.view(torch.uint8), group=group, async_op=True,
-            )
+            self._gather_work = comms.all_gather(comm, dest, source, group)
+            self._gather_stage = None if comm is None else (dest, out)
         if not async_op:
             self.wait_unshard()
         return self._gather_work
 
     def wait_unshard(self) -> None:
+        if self._gather_work is None and self._gather_stage is None:
+            return
         if self._gather_work is not None:
             self._gather_work.wait()
-            self._gather_work = None
-            self._gather_keep = None
-            self._finish_gather()
+        stage, self._gather_stage = self._gather_stage, None
+        self._gather_work = None
+        self._gather_keep = None
+        if stage is not None:  # the comm's staging buffer: [Note: custom comms]
+            with torch.no_grad():
+                stage[1].copy_(stage[0])
+        self._finish_gather()
 
     # The rank-major layout (rank r's slot at [r * S, (r + 1) * S)) is what the collectives move;
     # here it is also the unsharded layout. `ChunkedDBuffer` overrides these three to keep its
