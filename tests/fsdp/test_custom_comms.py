@@ -132,7 +132,7 @@ def _train(impl: str, variant: str):
             else:
                 m.set_custom_all_gather(ag)
                 m.set_custom_reduce_scatter(rs)
-    if variant == "separate_reduce_scatter_group":
+    if variant.endswith("separate_reduce_scatter_group"):
         model.set_separate_reduce_scatter_group()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     out = []
@@ -159,13 +159,19 @@ def _train(impl: str, variant: str):
 
 
 VARIANTS = ["plain", "sync_comms", "no_sync", "mixed_precision", "chunked",
-            "separate_reduce_scatter_group", "process_group_alloc"]
+            "separate_reduce_scatter_group", "process_group_alloc",
+            "hsdp_separate_reduce_scatter_group"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_custom_comms_match_torch_bitwise(variant):
-    theirs = run_on_ranks(_train, 2, args=("torch", variant), timeout=180)
-    ours = run_on_ranks(_train, 2, args=("veragged", variant), timeout=180)
+    # HSDP 2 x 2: each replica's shard pair makes its own reduce-scatter group (local
+    # synchronization); the replicas' all-reduce stays torch's own collective.
+    kw = (dict(mesh_shape=(2, 2), mesh_dim_names=("replicate", "shard"))
+          if variant.startswith("hsdp") else {})
+    world = 4 if kw else 2
+    theirs = run_on_ranks(_train, world, args=("torch", variant), timeout=180, **kw)
+    ours = run_on_ranks(_train, world, args=("veragged", variant), timeout=180, **kw)
     for (t_out, t_params, *t_comms), (v_out, v_params, *v_comms) in zip(theirs, ours):
         for (t_loss, t_grads), (v_loss, v_grads) in zip(t_out, v_out):
             assert torch.equal(t_loss, v_loss), variant
@@ -206,8 +212,11 @@ def _check_comms(variant, t_comms, v_comms) -> None:
     for calls in (t_rs, v_rs):  # the reduce-scatter on its own group over the same ranks
         ag_groups = {c["group"] for c in (t_ag if calls is t_rs else v_ag)}
         rs_groups = {c["group"] for c in calls}
-        assert len(rs_groups) == 1 and {c["ranks"] for c in calls} == {(0, 1)}
-        assert rs_groups.isdisjoint(ag_groups) == (variant == "separate_reduce_scatter_group")
+        ag_ranks = {c["ranks"] for c in (t_ag if calls is t_rs else v_ag)}
+        assert len(rs_groups) == 1 and {c["ranks"] for c in calls} == ag_ranks
+        assert len(ag_ranks) == 1 and len(next(iter(ag_ranks))) == 2
+        separate = variant.endswith("separate_reduce_scatter_group")
+        assert rs_groups.isdisjoint(ag_groups) == separate
 
 
 class Routed(nn.Module):
