@@ -17,6 +17,8 @@ boundary, S a multiple of `256 / itemsize` so every rank's slot starts 256-byte 
   one write each ([Note: gradient landing], `grads.py`), and `reduce_scatter_tensor` reads it as
   is; the result is scaled (and cast) into the sharded gradients, views into one S-element
   buffer, by one fused kernel.
+A comm object set for a collective (torch's `set_custom_all_gather`, ...) stages that one in its
+own buffers instead, with the copies torch makes: [Note: custom comms] (`comms.py`).
 With CPU offload (`offload=True`, torch's `CPUOffloadPolicy`) the shard and sharded gradients
 live in host memory (pinned on an accelerator mesh) and the unsharded and gradient buffers on the
 mesh's device: the shard is copied (and cast) into this rank's slot of the all-gather output and
