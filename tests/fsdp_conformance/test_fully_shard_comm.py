@@ -21,6 +21,9 @@
 #     from NCCL_DEBUG logs, needs CUDA multicast (the class's `_run` override, which only sets
 #     the NCCL_DEBUG environment for it, is dropped with it).
 #   TestFullyShardSymmMem.test_fully_shard_symm_mem: NCCL symmetric memory, sm90+.
+#   (No other test of this file's commit calls set_custom_all_gather/_reduce_scatter; upstream's
+#   one test of set_separate_reduce_scatter_group, in a later CUDA stream-sanitizer file, is
+#   CUDA-only. veragged's own, against torch on gloo: tests/fsdp/test_custom_comms.py.)
 #   TestFullyShardForceSumReduction (both tests): assert on NCCL_DEBUG collective logs.
 #   TestFullyShardCommunication.test_set_reduce_scatter_divide_factor: fails with torch's own
 #     fully_shard on CPU: a divide factor other than the shard group size makes FSDP2

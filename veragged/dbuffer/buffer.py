@@ -17,6 +17,8 @@ boundary, S a multiple of `256 / itemsize` so every rank's slot starts 256-byte 
   one write each ([Note: gradient landing], `grads.py`), and `reduce_scatter_tensor` reads it as
   is; the result is scaled (and cast) into the sharded gradients, views into one S-element
   buffer, by one fused kernel.
+A comm object set for a collective (torch's `set_custom_all_gather`, ...) stages that one in its
+own buffers instead, with the copies torch makes: [Note: custom comms] (`comms.py`).
 With CPU offload (`offload=True`, torch's `CPUOffloadPolicy`) the shard and sharded gradients
 live in host memory (pinned on an accelerator mesh) and the unsharded and gradient buffers on the
 mesh's device: the shard is copied (and cast) into this rank's slot of the all-gather output and
@@ -34,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
-from veragged.dbuffer import ops
+from veragged.dbuffer import comms, ops
 from veragged.dbuffer.entries import Entry as _Entry, ragged_placement
 from veragged.dbuffer.grads import GradientPath
 from veragged.dbuffer.memory import (
@@ -71,6 +73,12 @@ class DBuffer(GradientPath):
         reduce_in_own_dtype: without `reduce_dtype`, reduce in the tensors' own dtype (the
             shard's, following casts; torch 2.15's FSDP2) instead of `param_dtype`.
     """
+
+    # Collectives through comm objects, and the reduce-scatter's own process group (None: the
+    # default path, the shard group): [Note: custom comms]
+    all_gather_comm = None
+    reduce_scatter_comm = None
+    reduce_scatter_group: dist.ProcessGroup | None = None
 
     def __init__(
         self,
@@ -128,6 +136,7 @@ class DBuffer(GradientPath):
         self.params = self._make_buffers(shard)
         self._gather_work = None
         self._gathered_params: tuple[int, ...] | None = None  # sharded versions at the gather
+        self._gather_stage = None  # (comm's staging buffer, the all-gather output) until the wait
         self._reduce = None  # a launched reduce-scatter and how to finish it
         self._pending = None  # verdicts still being read after it finished (grads.py)
 
@@ -368,6 +377,10 @@ class DBuffer(GradientPath):
         self._gathered_params = self._params_version()
         post_forward, self._post_forward = self._post_forward, None
         out = self._gather_output()
+        # Through the comm, staged in its buffer: [Note: custom comms]
+        comm = self.all_gather_comm if self.world > 1 else None
+        comm = comm if comms.stages(comm, out.device) else None
+        dest = out if comm is None else comms.allocate(comm, out.numel(), out.dtype, out.device)
         group = self.group
         if post_forward is not None and post_forward[2] == self._params_version():
             source, group, _ = post_forward  # reshard_after_forward=k: gather within k ranks
@@ -375,7 +388,7 @@ class DBuffer(GradientPath):
         elif self.param_dtype == self.dtype and not self.offload:
             source = self.shard
         else:  # cast (or copy to the device) into this rank's own slot, then gather in place
-            source = out[self.rank * S : (self.rank + 1) * S]
+            source = dest[self.rank * S : (self.rank + 1) * S]
             if self.offload:
                 source.copy_(self.shard, non_blocking=self._pin)
             else:
@@ -386,11 +399,10 @@ class DBuffer(GradientPath):
             self._gather_work = None
             self._finish_gather()
         else:
-            # Gathered as bytes, as torch's FSDP2 does: every parameter dtype (float8, uint16,
+            # As bytes by default, as torch's FSDP2 does: every parameter dtype (float8, uint16,
             # ...) moves, whatever dtypes the backend reduces (gloo refuses several).
-            self._gather_work = dist.all_gather_into_tensor(
-                out.view(torch.uint8), source.view(torch.uint8), group=group, async_op=True,
-            )
+            self._gather_work = comms.all_gather(comm, dest, source, group)
+            self._gather_stage = None if comm is None else (dest, out)
         if not async_op:
             self.wait_unshard()
         return self._gather_work
@@ -401,11 +413,17 @@ class DBuffer(GradientPath):
         return self.is_unsharded and self._gathered_params == self._params_version()
 
     def wait_unshard(self) -> None:
+        if self._gather_work is None and self._gather_stage is None:
+            return
         if self._gather_work is not None:
             self._gather_work.wait()
-            self._gather_work = None
-            self._gather_keep = None
-            self._finish_gather()
+        stage, self._gather_stage = self._gather_stage, None
+        self._gather_work = None
+        self._gather_keep = None
+        if stage is not None:  # the comm's staging buffer: [Note: custom comms]
+            with torch.no_grad():
+                stage[1].copy_(stage[0])
+        self._finish_gather()
 
     # The rank-major layout (rank r's slot at [r * S, (r + 1) * S)) is what the collectives move;
     # here it is also the unsharded layout. `ChunkedDBuffer` overrides these three to keep its

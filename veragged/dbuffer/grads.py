@@ -92,7 +92,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from veragged.dbuffer import ops
+from veragged.dbuffer import comms, ops
 from veragged.dbuffer.memory import aligned_empty
 
 __all__ = ["GradientPath"]
@@ -429,8 +429,10 @@ class GradientPath:
         else:
             scale = 1.0 / (self.world * replicas) if average else 1.0
         scale /= self._land_scale
+        comm = self.reduce_scatter_comm if self.world > 1 else None  # [Note: custom comms]
+        comm = comm if comms.stages(comm, self.compute_device) else None
         direct = (
-            self.world > 1 and scale == 1.0 and self.reduce_dtype == self.dtype
+            comm is None and self.world > 1 and scale == 1.0 and self.reduce_dtype == self.dtype
             and self.device == self.compute_device and self._partial is None
             and (all_reduce or not self._replica_dims())
             and not (accumulate and any(self._bound(p) for p in self.params))
@@ -441,14 +443,19 @@ class GradientPath:
             reduced = self._shard_grad
         elif self.world == 1:
             reduced = source
+        elif comm is not None:  # staged in the comm's buffers, flags included
+            staged = comms.allocate(comm, source.numel(), source.dtype, source.device)
+            staged.copy_(source)
+            source = staged
+            self._free(self._grads)
+            reduced = comms.allocate(comm, S + self._flags, self.reduce_dtype, self.compute_device)
         else:
             reduced = torch.empty(S + self._flags, dtype=self.reduce_dtype,
                                   device=self.compute_device)
         work = None
         if self.world > 1:
-            work = dist.reduce_scatter_tensor(
-                reduced, source, op=dist.ReduceOp.SUM, group=self.group, async_op=True
-            )
+            work = comms.reduce_scatter(comm, reduced, source,
+                                        self.reduce_scatter_group or self.group)
         self._reduce = (work, source, reduced, direct, accumulate, scale, all_reduce, unreached)
         if not async_op:
             self.finish_reduce()

@@ -25,6 +25,7 @@ except ImportError:
 from veragged.dbuffer.buffer import DBuffer
 from veragged.dbuffer.chunked import ChunkedDBuffer
 from veragged.dbuffer.spmd import spmd_param, tp_block_size
+from veragged.fsdp import comms
 from veragged.fsdp.dp_mesh import DpMesh, resolve_mesh, resolve_placement, split_param
 from veragged.fsdp.group import ParamGroup
 from veragged.fsdp.state import FSDPState
@@ -84,14 +85,6 @@ class UnshardHandle:
 # `orig_dtype`); torch 2.11's FSDP2, which has no such property, reduces in `param_dtype`. Ours
 # follows the torch it runs with (the property is read, never called).
 _UNSET_REDUCE_DTYPE_IS_ORIG = hasattr(_TorchFSDPParam, "unsharded_grad_dtype")
-
-
-def _unsupported(name: str):
-    def method(self, *args, **kwargs):
-        raise NotImplementedError(f"FSDPModule.{name} is not supported by veragged.fully_shard")
-
-    method.__name__ = name
-    return method
 
 
 class FSDPModule(TorchFSDPModule):
@@ -191,6 +184,8 @@ class FSDPModule(TorchFSDPModule):
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
         for state in self._states(recurse):
+            comms.check_symm_mem_buffers(state, max_input_buffers)
+        for state in self._states(recurse):
             state.max_reduce_scatter_buffers = max_input_buffers
         ctx = self._veragged_state.ctx
         if ctx.all_states:  # already initialised: resolve again
@@ -208,7 +203,10 @@ class FSDPModule(TorchFSDPModule):
             g.all_reduce_hook = (hook, stream)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted: veragged always reduces with SUM on the wire and divides after."""
+        """veragged always reduces with SUM on the wire and divides after; as torch, this also
+        decides whether `set_symm_mem_for_comm` puts the reduce-scatter in symmetric memory."""
+        for g in self._veragged_state.groups:
+            g.force_sum_reduction_for_comms = bool(enable)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
@@ -262,13 +260,30 @@ class FSDPModule(TorchFSDPModule):
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """Accepted: veragged's all-gathers are always asynchronous until waited for."""
 
-    set_custom_all_gather = _unsupported("set_custom_all_gather")
-    set_custom_reduce_scatter = _unsupported("set_custom_reduce_scatter")
-    set_separate_reduce_scatter_group = _unsupported("set_separate_reduce_scatter_group")
-    set_allocate_memory_from_process_group_for_comm = _unsupported(
-        "set_allocate_memory_from_process_group_for_comm"
-    )
-    set_symm_mem_for_comm = _unsupported("set_symm_mem_for_comm")
+    # Collectives through comm objects, staged in their buffers: [Note: custom comms].
+    def set_custom_all_gather(self, comm) -> None:
+        """This module's all-gathers go through `comm` (torch's `AllGather`)."""
+        comms.set_custom_comm(self._veragged_state, "all_gather", comm)
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """This module's reduce-scatters go through `comm` (torch's `ReduceScatter`)."""
+        comms.set_custom_comm(self._veragged_state, "reduce_scatter", comm)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Stage this module's collectives in the process group's memory where its backend has
+        an allocator (not with a custom comm: AssertionError, as torch)."""
+        comms.set_allocate_from_process_group(self._veragged_state, enable)
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Stage this module's all-gathers (and, with `set_force_sum_reduction_for_comms`,
+        reduce-scatters) in symmetric memory (CUDA, NCCL)."""
+        comms.set_symm_mem(self._veragged_state, backend)
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *,
+                                          recurse: bool = True) -> None:
+        """Run the reduce-scatters on a process group of their own over the shard ranks
+        (collective over those ranks, as torch); False: back to the shard group."""
+        comms.set_separate_reduce_scatter_group(self._states(recurse), enable)
 
     def _apply(self, fn, recurse: bool = True):
         """`.to()`, `.float()`, `to_empty()`, ...: the DBuffers go through `fn` as a whole,

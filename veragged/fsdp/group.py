@@ -56,6 +56,7 @@ class ParamGroup:
         self.unshard_in_backward = True
         self.reduce_scatter_unused_params = False
         self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction_for_comms = False  # only decides set_symm_mem_for_comm's RS
         self.all_reduce_hook = None  # (fn, stream): set_all_reduce_hook
         self.post_forward_indices: list[int] = []
         self._make_unsharded()
