@@ -19,7 +19,9 @@ from tests.fsdp.test_lifecycle import IMPLS
 fsdp = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common")
 if not hasattr(fsdp, "ShardPlacementResult"):
     pytest.skip("torch < 2.15 has no dp_mesh_dims / ShardPlacementResult", allow_module_level=True)
-from torch.distributed.fsdp import DataParallelMeshDims  # noqa: E402
+from torch.distributed.fsdp import (  # noqa: E402
+    CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy,
+)
 from torch.distributed.fsdp._fully_shard._fsdp_common import (  # noqa: E402
     FSDPMeshInfo, ShardPlacementResult,
 )
@@ -225,7 +227,7 @@ def test_bad_input_raises_naming_it():
 _DDP = DataParallelMeshDims(replicate="ddp")
 
 
-def _ddp_model(impl: str, tp: bool, seed: int = 0, mesh=None):
+def _ddp_model(impl: str, tp: bool, seed: int = 0, mesh=None, **kwargs):
     """MLP on the ("ddp",) mesh, or ("ddp", "tp") with _TP's placements; DDP mode per layer.
     A second model takes the first one's `mesh`: DTensor's sharding cache hands an equal mesh's
     parameters the first mesh object, which fully_shard (torch's too) refuses."""
@@ -244,8 +246,8 @@ def _ddp_model(impl: str, tp: bool, seed: int = 0, mesh=None):
             setattr(mod, pname, nn.Parameter(distribute_tensor(p.detach(), mesh, placements)))
     fs = IMPLS[impl]
     for layer in model.layers[:2]:
-        fs(layer, mesh=mesh, dp_mesh_dims=_DDP)
-    fs(model, mesh=mesh, dp_mesh_dims=_DDP)
+        fs(layer, mesh=mesh, dp_mesh_dims=_DDP, **kwargs)
+    fs(model, mesh=mesh, dp_mesh_dims=_DDP, **kwargs)
     return model, mesh
 
 
@@ -422,3 +424,29 @@ def test_ddp_mode_over_two_replicate_dims():
         torch.testing.assert_close(rl, l, rtol=1e-5, atol=1e-7)
         for n in rp:
             torch.testing.assert_close(rp[n], p[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+_POLICIES = {
+    "bf16": dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                reduce_dtype=torch.float32)),
+    "offload": dict(offload_policy=CPUOffloadPolicy(pin_memory=False)),
+}
+
+
+def _train_ddp_policy(impl: str, policy: str, steps: int = 3):
+    model, mesh = _ddp_model(impl, tp=False, **_POLICIES[policy])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, norms, _ = _ddp_steps(model, optim, mesh, range(steps))
+    return losses, norms, {n: _full(p) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("policy", sorted(_POLICIES))
+def test_ddp_mode_policies_match_torch(policy):
+    """DDP mode with bf16 parameters reduced in fp32, or with CPU offload: torch's bits."""
+    ref = get_pool(2).run(_train_ddp_policy, "torch", policy, timeout=120)
+    res = get_pool(2).run(_train_ddp_policy, "veragged", policy, timeout=120)
+    for (rl, rn, rp), (l, n, p) in zip(ref, res):
+        assert torch.equal(rl, l), (rl, l)
+        assert torch.equal(rn, n), (rn, n)
+        for name in rp:
+            assert torch.equal(rp[name], p[name]), name
