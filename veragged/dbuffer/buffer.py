@@ -60,6 +60,8 @@ class DBuffer(GradientPath):
         tensors: `(name, tensor)` pairs with the full values, the same on every rank.
         mesh: the device mesh; its `shard_dim` shards the group, any other dim replicates it
             (HSDP: gradients are all-reduced over it after the reduce-scatter).
+        shard_dim: the mesh dim that shards the group (default: the last); None: no dim does,
+            every rank holds the whole group (`ReplicatedDBuffer`, [Note: replicated DBuffers]).
         block_sizes: per tensor, the elements a rank boundary must not cut (None: 1 each).
         param_dtype: dtype of the unsharded parameters (the all-gather); default: the tensors'.
         reduce_dtype: dtype of the reduce-scatter (gradients are cast to it first if it differs
@@ -85,7 +87,7 @@ class DBuffer(GradientPath):
         tensors: Sequence[tuple[str, torch.Tensor]],
         mesh: DeviceMesh,
         *,
-        shard_dim: int = -1,
+        shard_dim: int | None = -1,
         block_sizes: Sequence[int] | None = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
@@ -102,10 +104,13 @@ class DBuffer(GradientPath):
                 f"DBuffer tensors must share one dtype, got {sorted(map(str, dtypes))}"
             )
         self.mesh = mesh
-        self.shard_dim = shard_dim % mesh.ndim
-        self.group = mesh.get_group(self.shard_dim)
-        self.world = mesh.size(self.shard_dim)
-        self.rank = mesh.get_coordinate()[self.shard_dim]
+        if shard_dim is None:  # the whole group on every rank: [Note: replicated DBuffers]
+            self.shard_dim, self.group, self.world, self.rank = None, None, 1, 0
+        else:
+            self.shard_dim = shard_dim % mesh.ndim
+            self.group = mesh.get_group(self.shard_dim)
+            self.world = mesh.size(self.shard_dim)
+            self.rank = mesh.get_coordinate()[self.shard_dim]
         self._policy = (param_dtype, reduce_dtype, reduce_in_own_dtype)
         self.offload = offload
         self._spmd = list(spmd) if spmd is not None else [None] * len(tensors)

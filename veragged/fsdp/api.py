@@ -24,6 +24,7 @@ except ImportError:
 
 from veragged.dbuffer.buffer import DBuffer
 from veragged.dbuffer.chunked import ChunkedDBuffer
+from veragged.dbuffer.replicated import ReplicatedDBuffer
 from veragged.dbuffer.spmd import spmd_param, tp_block_size
 from veragged.fsdp import comms
 from veragged.fsdp.dp_mesh import DpMesh, resolve_mesh, resolve_placement, split_param
@@ -426,6 +427,8 @@ def _block_size(fqn, p, granularity_fn, dim: int | None, info=None) -> int:
 
 def _post_forward(reshard_after_forward, dp: DpMesh) -> tuple[bool, object]:
     """(reshard after forward?, the post-forward group for an int) for one mesh, as torch."""
+    if dp.replicate_only:  # torch's DDP mode has no post-forward reshard
+        return False, None
     if isinstance(reshard_after_forward, bool):
         return reshard_after_forward, None
     k, world = reshard_after_forward, dp.shard_world
@@ -461,7 +464,8 @@ def fully_shard(
     the blocks first and the root last. `module` may be a list (one group for several
     modules). `mesh` is 1-D (FSDP) or 2-D `(replicate, shard)` (HSDP), or with `dp_mesh_dims`
     (torch's `DataParallelMeshDims`) the full SPMD mesh whose named dims are data-parallel
-    ([Note: data-parallel meshes]). `reshard_after_forward`: True, False, or None (True except
+    ([Note: data-parallel meshes]; naming no shard dim: torch's DDP mode, [Note: replicated
+    DBuffers]). `reshard_after_forward`: True, False, or None (True except
     for the root), or an int. `granularity_fn(fqn, param)` gives the block size in elements
     that no rank boundary may cut (None: element-wise); `shard_placement_fn` returning
     `Shard(0)` keeps rows whole, and returning torch's `ShardPlacementResult` also names the
@@ -507,7 +511,7 @@ def fully_shard(
     params = _collect(modules, ignored)
     shared: list[str] = []  # tied to a parameter of an earlier call: an error at lazy init
     for fqn, p, _ in params:
-        if isinstance(p, RaggedDTensor):
+        if isinstance(p, RaggedDTensor) or getattr(p, "_veragged_fsdp", False):
             raise ValueError(
                 f"parameter {fqn!r} is already sharded by fully_shard ({p.placements}); "
                 "apply fully_shard once per parameter"
@@ -549,7 +553,8 @@ def fully_shard(
         p = entry[1]
         dp = where[id(p)][1]
         meshes.setdefault(dp.key(), dp)
-        key = (dp.key(), p.dtype, bool(dims[id(p)]), p.requires_grad)
+        chunked = bool(dims[id(p)]) and not dp.replicate_only  # nothing to chunk in DDP mode
+        key = (dp.key(), p.dtype, chunked, p.requires_grad)
         by_kind.setdefault(key, []).append(entry)
     groups = []
     for (mesh_key, _, chunked, _), entries in by_kind.items():
@@ -561,7 +566,16 @@ def fully_shard(
                       reduce_in_own_dtype=_UNSET_REDUCE_DTYPE_IS_ORIG,
                       offload=offload, pin_memory=offload and offload_policy.pin_memory)
         infos = [where[id(p)][4] for _, p, _ in entries]
-        if chunked:
+        if dp.replicate_only:  # torch's DDP mode: [Note: replicated DBuffers]
+            if granularity_fn is not None:
+                raise ValueError(
+                    f"granularity_fn={granularity_fn!r} cannot apply to {[e[0] for e in entries]}: "
+                    "their dp_mesh_dims name no shard dim (DDP mode), nothing is cut"
+                )
+            views = [where[id(p)][3] for _, p, _ in entries]
+            specs = [None if v is None else v.spec for v in views]
+            buffer = ReplicatedDBuffer(tensors, dp.mesh, specs=specs, spmd=infos, **policy)
+        elif chunked:
             buffer = ChunkedDBuffer(tensors, dp.mesh, dims=[dims[id(p)] for _, p, _ in entries],
                                     spmd=infos, **policy)
         else:

@@ -22,8 +22,10 @@ torch 2.15's `fully_shard` takes the data-parallel mesh three ways, and so does 
   rest over the dense one, in one call). Parameters are grouped by the process groups of
   their mesh (one or more DBuffers each), and a mesh_info built with `dp_mesh_dims`
   (`_get_mesh_info(mesh, dims)`) is read as above.
-Replicate-only data parallelism (`DataParallelMeshDims(replicate=...)` without `shard`, torch's
-DDP mode) is not supported and raises naming it.
+- `dp_mesh_dims=DataParallelMeshDims(replicate=...)` naming no shard dim: torch's DDP mode. The
+  data-parallel mesh is the (flattened) replicate dims; nothing is sharded: each group is a
+  `ReplicatedDBuffer` whose sharded parameters keep the parameter's own spec on the full mesh
+  ([Note: replicated DBuffers]).
 """
 
 from __future__ import annotations
@@ -74,15 +76,20 @@ def _spmd():
 class DpMesh:
     """The mesh a group of parameters is sharded over, and the full SPMD mesh around it."""
 
-    mesh: DeviceMesh  # 1-D (shard) or 2-D (replicate, shard): the DBuffer's mesh
+    mesh: DeviceMesh  # 1-D (shard, or replicate only) or 2-D (replicate, shard): the DBuffer's
     spmd_mesh: DeviceMesh | None = None  # the full mesh, with dp_mesh_dims
     shard_names: tuple[str, ...] = ()
     replicate_names: tuple[str, ...] = ()
     _subs: dict = field(default_factory=dict)
 
     @property
+    def replicate_only(self) -> bool:
+        """torch's DDP mode: data-parallel dims named, none of them sharded."""
+        return self.spmd_mesh is not None and not self.shard_names
+
+    @property
     def shard_world(self) -> int:
-        return self.mesh.size(self.mesh.ndim - 1)
+        return 1 if self.replicate_only else self.mesh.size(self.mesh.ndim - 1)
 
     @property
     def dp_dims(self) -> frozenset[int]:
@@ -91,7 +98,8 @@ class DpMesh:
 
     def key(self) -> tuple:
         """Parameters whose meshes have the same process groups share groups (as torch)."""
-        return tuple(self.mesh.get_group(d) for d in range(self.mesh.ndim))
+        groups = tuple(self.mesh.get_group(d) for d in range(self.mesh.ndim))
+        return ("replicate",) + groups if self.replicate_only else groups
 
     def submesh(self, dims: tuple[int, ...]) -> DeviceMesh:
         """The full mesh's non-data-parallel dims `dims`, made once (specs cache by mesh)."""
@@ -129,18 +137,16 @@ def _from_dims(mesh: DeviceMesh, dims) -> DpMesh:
             raise ValueError(
                 f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}"
             )
-    if not shard:
-        raise NotImplementedError(
-            f"veragged.fully_shard: dp_mesh_dims={dims!r} replicates without sharding (torch's "
-            "DDP mode); name the dims to shard over in DataParallelMeshDims(shard=...)"
-        )
     key = (id(mesh), shard, replicate)
     found = _FROM_DIMS.get(key)
     if found is not None and found.spmd_mesh is mesh:
         return found
-    dp = _dp_submesh(mesh, shard)
-    if replicate:
-        dp = DeviceMesh._concatenate([_dp_submesh(mesh, replicate), dp])
+    if not shard:  # torch's DDP mode: [Note: replicated DBuffers]
+        dp = _dp_submesh(mesh, replicate)
+    else:
+        dp = _dp_submesh(mesh, shard)
+        if replicate:
+            dp = DeviceMesh._concatenate([_dp_submesh(mesh, replicate), dp])
     found = _FROM_DIMS[key] = DpMesh(dp, mesh, shard, replicate)
     return found
 
