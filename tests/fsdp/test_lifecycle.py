@@ -857,3 +857,21 @@ def test_manual_backward_finalization():
             _same(a, b, atol=1e-6)
         _same(p_t, p_v, atol=1e-6)
         assert e_v == e_t and len(e_v) == 2, (e_t, e_v)
+
+
+def _kept_grads(impl):
+    """A reference kept to a `.grad` across `zero_grad(set_to_none=True)` and the next backward
+    keeps its values (torch's FSDP2 writes each backward's gradients into new memory)."""
+    torch.manual_seed(0)
+    model = _shard(Net(), impl)
+    model(_data(0, dist.get_rank())).sum().backward()
+    kept = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    before = {n: _full(g) for n, g in kept.items()}
+    model.zero_grad(set_to_none=True)
+    model(_data(1, dist.get_rank())).sum().backward()
+    return all(torch.equal(_full(g), before[n]) for n, g in kept.items())
+
+
+def test_kept_gradient_references_keep_their_values():
+    res = _run_both(_kept_grads)
+    assert all(res["torch"]) and all(res["veragged"])

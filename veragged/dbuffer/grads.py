@@ -431,6 +431,11 @@ class GradientPath:
         scale /= self._land_scale
         comm = self.reduce_scatter_comm if self.world > 1 else None  # [Note: custom comms]
         comm = comm if comms.stages(comm, self.compute_device) else None
+        if self._shard_grad is not None and not any(self._bound(p) for p in self.params):
+            # No `.grad` is a view of it any more (zero_grad(set_to_none=True)): the gradients
+            # get fresh memory, as torch's get a fresh reduce-scatter output, so a reference
+            # the user kept to an earlier `.grad` keeps its values.
+            self._shard_grad = None
         direct = (
             comm is None and self.world > 1 and scale == 1.0 and self.reduce_dtype == self.dtype
             and self.device == self.compute_device and self._partial is None
