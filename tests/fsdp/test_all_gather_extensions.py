@@ -239,3 +239,32 @@ def test_bad_hooks_raise_naming_the_parameter():
     pool = get_pool(2)
     assert all(pool.run(_late_hooks, timeout=60))
     assert all(pool.run(_half_pair, timeout=60))
+
+
+def _state_dict_round_trip(assign: bool):
+    CALLS.update(pre=0, post=0, post_out=0)
+    torch.manual_seed(0)
+    model = _model((8, 5, 3))
+    for block in model:
+        block[0].weight = nn.Parameter(BF16Weight(block[0].weight.detach().clone()))
+        IMPLS["veragged"](block)
+    IMPLS["veragged"](model)
+    params = list(model.parameters())
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    before = {k: _plain(v.to_local()).clone() for k, v in sd.items()}
+    with torch.no_grad():
+        for p in params:
+            p.fill_(3.0)
+    model.load_state_dict(sd, assign=assign)
+    after = {k: _plain(v.to_local()) for k, v in model.state_dict().items()}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(a is b for a, b in zip(params, model.parameters()))  # the objects stay
+    model(torch.randn(2, 8)).sum().backward()  # still gathered through the hooks
+    assert CALLS["pre"] > 0 and all(p.grad is not None for p in model.parameters())
+    return True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("assign", [False, True])
+def test_state_dict_round_trip(assign):
+    assert all(get_pool(2).run(_state_dict_round_trip, assign, timeout=60))
