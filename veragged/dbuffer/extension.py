@@ -32,7 +32,10 @@ all-gather and what the unsharded parameter is; torch's FSDP2 contract, followed
   accumulation, HSDP, mixed precision and unreached parameters behave as for every DBuffer.
 Hooks found on a flat DBuffer parameter's local tensor at the first forward (set after
 `fully_shard`, as torch allows until its lazy init) move that parameter here
-(`veragged.fsdp.extensions.adopt_extensions`); found later, they raise naming the parameter.
+(`veragged.fsdp.extensions.adopt_extensions`): the parameter object and the local tensor object
+carrying the hooks are kept (`swap_tensors`, `Tensor.set_` to its chunk), but until then it is a
+RaggedShard parameter, so optimizer state made before the first forward would not fit it.
+Found later, they raise naming the parameter (`ParamGroup.unshard`): never ignored.
 """
 
 from __future__ import annotations

@@ -96,8 +96,8 @@ class ParamGroup:
                 self._hooked.discard(i)
 
     def _refuse_late_hooks(self) -> None:
-        """Hooks set on a flat DBuffer parameter's local tensor after the first forward took
-        them ([Note: all-gather extensions]) would be ignored: refuse instead."""
+        """Hooks on a flat DBuffer parameter's local tensor that lazy init did not take
+        ([Note: all-gather extensions]) would be ignored: raise naming the parameter."""
         for fqn, p in zip(self.fqns, self.sharded):
             local = getattr(p, "_local_tensor", None)
             if local is not None and hasattr(local, "fsdp_pre_all_gather"):
