@@ -103,6 +103,11 @@ class DBuffer(GradientPath):
             raise ValueError(
                 f"DBuffer tensors must share one dtype, got {sorted(map(str, dtypes))}"
             )
+        # What another buffer of the same kind needs for a subset of these tensors (`config`).
+        self._config = dict(shard_dim=shard_dim, block_sizes=block_sizes,
+                            param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=offload,
+                            pin_memory=pin_memory, spmd=spmd,
+                            reduce_in_own_dtype=reduce_in_own_dtype)
         self.mesh = mesh
         if shard_dim is None:  # the whole group on every rank: [Note: replicated DBuffers]
             self.shard_dim, self.group, self.world, self.rank = None, None, 1, 0
@@ -243,6 +248,12 @@ class DBuffer(GradientPath):
         shard = aligned_empty(self.shard_size, new.dtype, new.device, pin_memory=pin)
         with torch.no_grad():
             shard.copy_(new)
+        self._remake(shard)
+        return True
+
+    def _remake(self, shard: torch.Tensor) -> None:
+        """Re-make every buffer around `shard` (`apply_`): the old sharded parameters take the
+        new contents in place, their sharded gradients move with them."""
         old_grads = [p.grad for p in self.params]
         old_shard_grad = self._shard_grad
         new_params = self._make_buffers(shard)
@@ -272,7 +283,26 @@ class DBuffer(GradientPath):
                     with torch._C.DisableTorchFunctionSubclass():
                         p.grad = self._sharded(e, self._shard_grad, requires_grad=False,
                                                local=local)
-        return True
+
+    def config(self, indices: Sequence[int]) -> dict:
+        """The keyword arguments that make a buffer of this kind and policy holding only the
+        tensors `indices` (in that order)."""
+        cfg = dict(self._config)
+        for key in ("block_sizes", "spmd"):
+            if cfg[key] is not None:
+                cfg[key] = [cfg[key][i] for i in indices]
+        return cfg
+
+    def holds(self, i: int) -> bool:
+        """Whether sharded parameter `i` still holds this buffer's memory (a view of the shard;
+        a dtype or device of its own answers no on every rank, also where it has no element)."""
+        p = self.params[i]
+        if p.dtype != self.dtype or p.device != self.device:
+            return False
+        local = p._local_tensor
+        return local.numel() == 0 or (
+            local.untyped_storage().data_ptr() == self.shard.untyped_storage().data_ptr()
+        )
 
     def load_(self, i: int, value: torch.Tensor) -> None:
         """Copy `value` into tensor `i`'s part of the shard (cast and moved as needed).
@@ -336,6 +366,10 @@ class DBuffer(GradientPath):
         with torch._C.DisableTorchFunctionSubclass():
             return torch.nn.Parameter(dt, requires_grad=trainable)
 
+    # Whether the buffer makes its unsharded parameters at the first all-gather (instead of
+    # views made once with the buffer): [Note: all-gather extensions] (extension.py).
+    MAKES_UNSHARDED = False
+
     _free = staticmethod(free_storage)
     _alloc = staticmethod(alloc_storage)
 
@@ -362,8 +396,12 @@ class DBuffer(GradientPath):
 
     def set_keep_storage(self, keep: bool) -> None:
         self.keep_storage = bool(keep)
-        if not keep and not self._holds:
-            self._free(self._unsharded)
+        if not keep and not self.is_unsharded:
+            self._release_storage()
+
+    def _release_storage(self) -> None:
+        """Free the memory the unsharded parameters live in."""
+        self._free(self._unsharded)
 
     def unshard(self, async_op: bool = False):
         """All-gather the shards into the unsharded buffer (allocated if freed).
@@ -472,4 +510,4 @@ class DBuffer(GradientPath):
             self._post_forward = (keep, post_forward_group, self._params_version())
         self._holds = False
         if not self.keep_storage:
-            self._free(self._unsharded)
+            self._release_storage()

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 from veragged.dbuffer.buffer import DBuffer
 from veragged.dbuffer.chunked import ChunkedDBuffer
 from veragged.dbuffer.replicated import ReplicatedDBuffer
+from veragged.dbuffer.extension import ExtensionDBuffer, has_extension
 from veragged.dbuffer.spmd import spmd_param, tp_block_size
 from veragged.fsdp.dp_mesh import DpMesh, resolve_mesh, resolve_placement, split_param
 from veragged.fsdp.group import ParamGroup
@@ -213,7 +214,9 @@ def fully_shard(
     a tensor/expert-parallel mesh (`parallelize_module`) are sharded by their local blocks over
     `mesh`, onto the combined mesh ([Note: FSDP over TP]). Frozen parameters get DBuffers of
     their own, so backward communicates only what requires grad ([Note: frozen parameters]).
-    See [Note: fully_shard lifecycle].
+    Parameters whose tensors define torch's `fsdp_pre_all_gather` / `fsdp_post_all_gather`
+    are sharded as torch's `Shard(0)` and all-gathered through them
+    ([Note: all-gather extensions]). See [Note: fully_shard lifecycle].
     """
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     if not modules:
@@ -278,13 +281,28 @@ def fully_shard(
                 f"{tuple(p.shape)} and stride {p.stride()}"
             )
         where[id(p)] = (placement, dp, inner, view, info)
+    # Parameters whose tensors define torch's all-gather extension hooks (by their type: hooks
+    # set on the local tensor later are taken at lazy init): [Note: all-gather extensions].
+    ext = {id(p) for fqn, p, _ in params
+           if has_extension(where[id(p)][2]._local_tensor if isinstance(where[id(p)][2], DTensor)
+                            else where[id(p)][2], fqn)}
     # Every placement is checked (torch's errors) before any is refused as unsupported.
     dims = {id(p): _shard_dim(f, p, where[id(p)][0], where[id(p)][1].shard_world,
                               where[id(p)][4])
             for f, p, _ in params}
+    for fqn, p, _ in params:
+        if id(p) in ext and dims[id(p)]:
+            raise NotImplementedError(
+                f"all-gather extensions with Shard({dims[id(p)]}) are not supported: {fqn!r} "
+                "(its hooks are sharded as Shard(0))"
+            )
+        if id(p) in ext and where[id(p)][3] is not None:
+            raise NotImplementedError(
+                f"all-gather extensions with dp_mesh_dims are not supported: {fqn!r}"
+            )
     # One DBuffer per mesh, dtype and requires_grad ([Note: frozen parameters]); parameters
     # that shard_placement_fn cuts along a later dim (torch's equal chunks) get one of their
-    # own: [Note: chunked parameters].
+    # own: [Note: chunked parameters], and so do those with all-gather extensions.
     by_kind: dict[tuple, list] = {}
     meshes: dict[tuple, DpMesh] = {}
     for entry in params:
@@ -292,10 +310,10 @@ def fully_shard(
         dp = where[id(p)][1]
         meshes.setdefault(dp.key(), dp)
         chunked = bool(dims[id(p)]) and not dp.replicate_only  # nothing to chunk in DDP mode
-        key = (dp.key(), p.dtype, chunked, p.requires_grad)
+        key = (dp.key(), p.dtype, chunked, p.requires_grad, id(p) in ext)
         by_kind.setdefault(key, []).append(entry)
     groups = []
-    for (mesh_key, _, chunked, _), entries in by_kind.items():
+    for (mesh_key, _, chunked, _, extension), entries in by_kind.items():
         dp = meshes[mesh_key]
         rafter, post_forward_group = _post_forward(reshard_after_forward, dp)
         inners = [where[id(p)][2] for _, p, _ in entries]
@@ -304,7 +322,11 @@ def fully_shard(
                       reduce_in_own_dtype=_UNSET_REDUCE_DTYPE_IS_ORIG,
                       offload=offload, pin_memory=offload and offload_policy.pin_memory)
         infos = [where[id(p)][4] for _, p, _ in entries]
-        if dp.replicate_only:  # torch's DDP mode: [Note: replicated DBuffers]
+        if extension:
+            owners = [locs[0][0] for *_, locs in entries]  # the hooks' `module`
+            buffer = ExtensionDBuffer(tensors, dp.mesh, modules=owners, mp_policy=mp_policy,
+                                      spmd=infos, **policy)
+        elif dp.replicate_only:  # torch's DDP mode: [Note: replicated DBuffers]
             if granularity_fn is not None:
                 raise ValueError(
                     f"granularity_fn={granularity_fn!r} cannot apply to {[e[0] for e in entries]}: "

@@ -72,18 +72,43 @@ class ParamGroup:
             for v, p, view in zip(self.buffer.unsharded_params, self.sharded, self.views)
         ]
         self._hooked: set[int] = set()  # unsharded parameters with the has-grad hook
+        for u in self.unsharded:
+            self._set_grad_dtype(u)
+        for p in self.sharded:  # autograd never accumulates into them: no ragged hooks, so no
+            p.__dict__["_veragged_fsdp"] = True  # weak reference blocks swap_tensors
+
+    def _set_grad_dtype(self, u: nn.Parameter) -> None:
         # As torch 2.15's FSDP2 in a reducing backward (`_set_unsharded_grad_dtypes`, deferred
         # upcast): autograd keeps an unsharded gradient in the dtype the computation produced
         # (grad_dtype None; the default, the parameter's bf16, would round an fp32 one), and its
         # landing casts it to the reduce dtype in the write it makes anyway, so no cast pass of
         # its own. torch 2.11 has no grad_dtype.
-        reduce_dtype = self.buffer.reduce_dtype
-        for u in self.unsharded:
-            if (hasattr(u, "grad_dtype") and u.dtype.is_floating_point
-                    and u.dtype != reduce_dtype):
-                u.grad_dtype = None
-        for p in self.sharded:  # autograd never accumulates into them: no ragged hooks, so no
-            p.__dict__["_veragged_fsdp"] = True  # weak reference blocks swap_tensors
+        if (hasattr(u, "grad_dtype") and u.dtype.is_floating_point
+                and u.dtype != self.buffer.reduce_dtype):
+            u.grad_dtype = None
+
+    def _adopt_unsharded(self) -> None:
+        """Take the unsharded parameters a buffer made at its first all-gather
+        ([Note: all-gather extensions]); the same objects on every later one."""
+        for i, u in enumerate(self.buffer.unsharded_params):
+            if u is not self.unsharded[i] and not u.is_meta:
+                self._set_grad_dtype(u)
+                self.unsharded[i] = u
+                self._hooked.discard(i)
+
+    def _refuse_late_hooks(self) -> None:
+        """Hooks on a flat DBuffer parameter's local tensor that lazy init did not take
+        ([Note: all-gather extensions]) would be ignored: raise naming the parameter."""
+        for fqn, p in zip(self.fqns, self.sharded):
+            local = getattr(p, "_local_tensor", None)
+            if local is not None and hasattr(local, "fsdp_pre_all_gather"):
+                raise RuntimeError(
+                    f"parameter {fqn!r}: its local tensor defines fsdp_pre_all_gather, but "
+                    "its group was set up without all-gather extensions (taken from the "
+                    "tensor at fully_shard, and from the local tensor at the first forward's "
+                    "lazy init, as torch's FSDP2 takes them): set the hooks before the first "
+                    "forward"
+                )
 
     # --- parameter registration --------------------------------------------------------------
 
@@ -109,6 +134,8 @@ class ParamGroup:
     def unshard(self, async_op: bool = False) -> None:
         """Start the all-gather unless the buffer already holds (or is gathering) the params."""
         if self.needs_gather:
+            if not self.buffer.MAKES_UNSHARDED:
+                self._refuse_late_hooks()
             self.buffer.unshard(async_op=True)
         if not async_op:
             self.wait_for_unshard()
@@ -118,6 +145,8 @@ class ParamGroup:
         if not self.buffer.is_unsharded:
             return
         self.buffer.wait_unshard()
+        if self.buffer.MAKES_UNSHARDED:
+            self._adopt_unsharded()
         self._sync_requires_grad()
         self._register(self.unsharded)
         for u, view in zip(self.unsharded, self.views):

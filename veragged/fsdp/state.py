@@ -9,8 +9,9 @@ POST_BACKWARD -> IDLE), always in the methods below, never elsewhere:
   post-forward order of this iteration, the reduce-scatters in flight). Parameters set on the
   modules since `fully_shard` are taken into the DBuffers first; a configuration error found
   at `fully_shard` (a parameter tied across calls) or parameters still on meta raise here,
-  before anything changes, as torch's do. With `reshard_after_forward=None` the root keeps its
-  parameters after forward, others reshard.
+  before anything changes, as torch's do. Parameters whose local tensors were given all-gather
+  extension hooks since move to extension groups ([Note: all-gather extensions]). With
+  `reshard_after_forward=None` the root keeps its parameters after forward, others reshard.
 - pre-forward (state FORWARD): all-gather into the DBuffer's unsharded buffer, register the
   unsharded parameters, and wrap the tensor inputs in `RegisterPostBackwardFunction`, whose
   backward runs post-backward once autograd is done with the whole module (so frozen
@@ -66,6 +67,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.utils import _apply_to_tensors
 
+from veragged.fsdp.extensions import adopt_extensions
 from veragged.fsdp.group import ParamGroup, TrainingState
 from veragged.fsdp.state_dict import take_assigned
 
@@ -228,6 +230,8 @@ class FSDPState:
                     f"{off_cpu}\n"
                 )
             found.append((name, state))
+        for _, state in found:  # hooks set on local tensors since: [Note: all-gather extensions]
+            adopt_extensions(state)
         ctx = self.ctx
         for _, state in found:
             state.is_root = state is self

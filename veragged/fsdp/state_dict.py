@@ -64,20 +64,9 @@ def _assigned(g: ParamGroup, i: int) -> torch.Tensor | None:
         q = mod._parameters.get(name)
         if q is not None and q is not p and q is not g.unsharded[i] and not q.is_meta:
             return q
-    if not g.buffer.is_meta and not p.is_meta and not _in_buffer(g, p):
+    if not g.buffer.is_meta and not p.is_meta and not g.buffer.holds(i):
         return p
     return None
-
-
-def _in_buffer(g: ParamGroup, p: torch.Tensor) -> bool:
-    """Whether sharded parameter `p` is still a view of its group's shard buffer (a dtype or
-    device of its own answers no on every rank, also where `p` holds no element)."""
-    if p.dtype != g.buffer.dtype or p.device != g.buffer.device:
-        return False
-    local = p._local_tensor
-    return local.numel() == 0 or (
-        local.untyped_storage().data_ptr() == g.buffer.shard.untyped_storage().data_ptr()
-    )
 
 
 def take_assigned(state: FSDPState) -> None:
