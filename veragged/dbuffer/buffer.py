@@ -38,7 +38,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from veragged.dbuffer import comms, ops
 from veragged.dbuffer.entries import Entry as _Entry, ragged_placement
-from veragged.dbuffer.grads import GradientPath
+from veragged.dbuffer.grads import FLAG_ALIGN_BYTES, GradientPath
 from veragged.dbuffer.memory import (
     ALIGN_BYTES, aligned_empty, alloc_storage, free_storage, mesh_device,
 )
@@ -130,7 +130,7 @@ class DBuffer(GradientPath):
         itemsize = min(d.itemsize for d in (dtype, compute, reduce_dtype or compute))
         S = self.shard_size = self._place(tensors, block_sizes, align=ALIGN_BYTES // itemsize)
         # The verdict flags after each slot of the gradient buffer: [Note: unreached parameters].
-        self._flag_room = self.flag_room(len(tensors), ALIGN_BYTES // itemsize, mesh.size())
+        self._flag_room = self.flag_room(len(tensors), FLAG_ALIGN_BYTES // itemsize, mesh.size())
         # Gradient room for every tensor until told otherwise: [Note: compacted gradients].
         self._grad_align = ALIGN_BYTES // itemsize
         self._grad_mask, self._grad_flags = None, True

@@ -43,8 +43,8 @@ the reduce dtype (exact below 2^8 ranks even in bf16, and never 0 once positive)
 detail (the sign of a zero sum) matters; the flags never touch a gradient element: a rank that
 did not reach a tensor sends +0.0 there, which leaves the others' sum bitwise as it was (their
 elements are never -0.0: +0.0 + x is not). The cost is F elements per rank on the wire and in
-the buffer (one alignment unit, 256 B, per rank per buffer of up to 64 fp32 tensors), and no
-collective torch's backward does not issue. It cannot be zero while the guarantee holds: a rank
+the buffer (n rounded up to 16 bytes, `FLAG_ALIGN_BYTES`: 16 B per rank for a buffer of up to 4
+fp32 tensors, 4 bytes a tensor beyond), and no collective torch's backward does not issue. It cannot be zero while the guarantee holds: a rank
 that reached a tensor another did not must tell it, and the gradient elements cannot carry the
 news (a reached rank's gradient may be exactly zero, and its sum with anything is another
 gradient), so the bits must travel somewhere; torch sends none and aborts instead when ranks
@@ -95,7 +95,12 @@ from torch.distributed.tensor import DTensor
 from veragged.dbuffer import comms, ops
 from veragged.dbuffer.memory import aligned_empty
 
-__all__ = ["GradientPath"]
+__all__ = ["FLAG_ALIGN_BYTES", "GradientPath"]
+
+# The flags round up to 16 bytes (not the 256-byte alignment of parameter slots): every rank's
+# gradient slot then still starts 16-byte aligned, which vectorised loads and NCCL's copies
+# want, and a buffer of up to 4 fp32 tensors sends 16 bytes of flags per rank, not 256.
+FLAG_ALIGN_BYTES = 16
 
 
 def _start_read(t: torch.Tensor):
