@@ -1,10 +1,22 @@
-"""Shared by the FSDP x TP/EP tests: the optimizers they train with and the one-process run they
-compare against."""
+"""Shared by the FSDP tests: the optimizers the TP/EP tests train with and the one-process run
+they compare against; a small block whose weight crosses a DBuffer's rank boundary."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = nn.Linear(16, 48)  # its weight crosses the rank boundary of its DBuffer
+        self.small = nn.Linear(48, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.norm(x + self.small(torch.relu(self.big(x))))
 
 
 def full(p: torch.Tensor) -> torch.Tensor:

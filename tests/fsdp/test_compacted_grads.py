@@ -21,20 +21,10 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import veragged
+from tests.fsdp._reference import Block
 from veragged.testing import get_mesh, run_on_ranks
 
 IMPLS = {"torch": torch_fully_shard, "veragged": veragged.fully_shard}
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.big = nn.Linear(16, 48)  # its weight crosses the rank boundary of its DBuffer
-        self.small = nn.Linear(48, 16)
-        self.norm = nn.LayerNorm(16)
-
-    def forward(self, x):
-        return self.norm(x + self.small(torch.relu(self.big(x))))
 
 
 def _schedule():

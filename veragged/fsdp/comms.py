@@ -4,6 +4,7 @@ objects its all-gathers and reduce-scatters go through ([Note: custom comms] in
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from veragged.dbuffer.memory import mesh_device
@@ -36,7 +37,10 @@ def _buffers(state) -> list:
 
 def _needs(cls, method: str) -> None:
     if cls is None:
-        raise NotImplementedError(f"{method} needs a torch whose FSDP2 has it (2.8 or newer)")
+        raise NotImplementedError(
+            f"{method} needs the comm classes of a newer torch's FSDP2 (torch 2.15 has them; "
+            f"torch {torch.__version__} does not)"
+        )
 
 
 def set_custom_comm(state, kind: str, comm) -> None:
