@@ -65,22 +65,6 @@ are bound when their reduction finishes; hooks on the sharded parameters (an opt
 backward) run when the gradient is bound, so for the others at the end of backward.
 (tests/fsdp/test_routing.py: ranks reaching different experts, holding none of some, through
 clipping, the optimizers, GradScaler and DCP; tests/stress: the same over many steps.)
-
-[Note: compacted gradients]
-Only tensors that require grad have room in the gradient buffer. `fully_shard` puts frozen and
-trainable parameters in different groups, but `requires_grad_()` after it (PEFT's and torch's
-freeze-after-init) leaves both in one DBuffer; its group then gives the buffer the mask of what
-requires grad at each backward's start (`set_grad_layout`). Rank r's gradient slot holds r's
-pieces of the masked tensors, packed in layout order: Sg = max over ranks of their sum, rounded
-up to the alignment (Sg = S, the identity layout, when every tensor is masked; a
-`ChunkedDBuffer` always keeps it). Each tensor keeps its rank distribution (its gradient on
-rank r has exactly r's elements of the parameter), so a sharded gradient is the same
-RaggedShard DTensor over `_shard_grad[_grad_local[i]]`, at another offset than the parameter in
-the shard. The landing, the flags, the reduce-scatter and the HSDP all-reduce all work on slots
-of Sg + F: frozen tensors cost nothing on the wire or in memory, as in torch's FSDP2, which
-leaves them out of its reduce-scatter. A tensor that gains a gradient without room (frozen
-when the layout was made) triggers a new layout in place; gradients held across a change move.
-(tests/fsdp/test_compacted_grads.py; torch's test_train_mixed_requires_grad_per_group.)
 """
 
 from __future__ import annotations
@@ -93,6 +77,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from veragged.dbuffer import comms, ops
+from veragged.dbuffer.grad_layout import GradientLayout
 from veragged.dbuffer.memory import aligned_empty
 
 __all__ = ["FLAG_ALIGN_BYTES", "GradientPath"]
@@ -114,162 +99,8 @@ def _start_read(t: torch.Tensor):
     return host, event
 
 
-class GradientPath:
+class GradientPath(GradientLayout):
     """`DBuffer`'s gradient methods (a mixin: the buffers and entries are DBuffer's)."""
-
-    # The gradient buffer is the reduce-scatter input (rank-major, slots of S + F elements); a
-    # subclass landing gradients in another layout sets False and overrides `_rank_major`.
-    _GRADS_RANK_MAJOR = True
-
-    # --- layout ------------------------------------------------------------------------------
-
-    @staticmethod
-    def flag_room(n: int, align: int, ranks: int) -> int:
-        """F: the verdict flags at the end of each rank's gradient slot, `n` rounded up to
-        `align` (so every slot stays aligned); none on a mesh of one rank."""
-        return 0 if ranks == 1 else -(-max(n, 1) // align) * align
-
-    def _plan_grads(self, mask: Sequence[bool] | None = None, flags: bool = True) -> None:
-        """Lay the gradient buffer out for the tensors `mask` marks (default: every tensor):
-        each one's pieces per rank slot (`_grad_slots`), this rank's part of the sharded
-        gradients (`_grad_local`), the slot size Sg ([Note: compacted gradients]) and whether
-        the slots end with verdict flags ([Note: unreached parameters])."""
-        n = len(self.entries)
-        mask = (True,) * n if mask is None else tuple(bool(m) for m in mask)
-        S, W = self.shard_size, self.world
-        identity = all(mask) or not self._GRADS_RANK_MAJOR
-        used = [0] * W
-        slots: list[list[tuple[int, int, int]]] = []
-        for e, m in zip(self.entries, mask):
-            pieces = []
-            a, b = (e.start, e.stop) if m or identity else (0, 0)
-            if not self._GRADS_RANK_MAJOR:  # the full layout: one range, no slots
-                pieces, a = ([(0, a, b - a)] if b > a else []), b
-            while a < b:
-                r = a // S
-                end = min(b, (r + 1) * S)
-                off = a - r * S if identity else used[r]
-                pieces.append((r, off, end - a))
-                used[r] = off + end - a
-                a = end
-            slots.append(pieces)
-        if identity:
-            self._grad_slot = S
-            local = [e.local for e in self.entries]
-        else:
-            align = self._grad_align
-            self._grad_slot = max(align, -(-max(used) // align) * align)
-            local = []
-            for pieces in slots:
-                mine = [(off, off + k) for r, off, k in pieces if r == self.rank]
-                local.append(mine[0] if mine else (0, 0))
-        self._grad_mask, self._grad_slots, self._grad_local = mask, slots, local
-        self._grad_flags = bool(flags)
-        self._flags = self._flag_room if flags else 0  # F, the flags in use
-        F = self._flags if self._GRADS_RANK_MAJOR else 0
-        self._grad_stride = self._grad_slot + F  # one rank's slot in the gradient buffer
-
-    @property
-    def grad_mask(self) -> tuple[bool, ...]:
-        """Which tensors have room in the gradient buffer ([Note: compacted gradients])."""
-        return self._grad_mask
-
-    def _grads_numel(self) -> int:
-        return self.world * self._grad_stride
-
-    def _grad_pieces(self, i: int) -> list[tuple[int, int, torch.Tensor]] | None:
-        """Tensor i's gradient as views of the gradient buffer: (first, last) flat elements
-        of the gradient and the view they land in. `[(None, None, view)]`, one view of the
-        tensor's shape, when it lies in one slot; else its part in the first slot, the whole
-        slots after it as one (k, S) view, and its part in the last slot."""
-        if not self._grad_mask[i]:
-            return None  # no room: frozen ([Note: compacted gradients])
-        G, e = self._grads, self.entries[i]
-        pieces, stride = self._grad_slots[i], self._grad_stride
-        if len(pieces) <= 1:
-            r, off, k = pieces[0] if pieces else (0, 0, 0)
-            lo = r * stride + off
-            return [(None, None, G[lo : lo + k].view(e.view_shape))]
-        S = self.shard_size
-        out, a, j = [], 0, 0
-        while j < len(pieces):
-            r, off, k = pieces[j]
-            run = 0  # whole slots from here on
-            while j + run < len(pieces) and pieces[j + run][2] == S:
-                run += 1
-            if run > 1:  # whole slots lie at offset 0 of theirs: nothing else shares them
-                out.append((a, a + run * S, G.view(-1, stride)[r : r + run, :S]))
-                a, j = a + run * S, j + run
-            else:
-                lo = r * stride + off
-                out.append((a, a + k, G[lo : lo + k]))
-                a, j = a + k, j + 1
-        return out
-
-    def set_grad_layout(self, mask: Sequence[bool], flags: bool = True) -> None:
-        """Give gradient room to the tensors `mask` marks only (those that require grad): the
-        gradient buffer, the reduce-scatter and the sharded gradients shrink to them
-        ([Note: compacted gradients]); `flags`: whether the reductions carry verdict flags
-        (not needed when every trainable tensor gets a gradient: [Note: unreached
-        parameters]). Gradients kept across a change (no-sync micro-batches, an HSDP sum
-        awaiting its all-reduce, sharded `.grad`s) move to the new layout; a tensor losing its
-        room keeps its sharded `.grad` as a copy of its own."""
-        mask = tuple(bool(m) for m in mask)
-        if not self._GRADS_RANK_MAJOR:
-            mask = self._grad_mask  # its gradients stay in the full layout
-        if mask == self._grad_mask and bool(flags) == self._grad_flags:
-            return
-        self.finish_reduce()
-        self.resolve_grads()
-        old_mask, old_slots, old_local = self._grad_mask, self._grad_slots, self._grad_local
-        old_stride, old_flags = self._grad_stride, self._flags
-        old_grads = self._grads if self.grads_allocated else None
-        old_partial, old_shard = self._partial, self._shard_grad
-        bound = [self._bound(p) for p in self.params]  # views of old_shard
-        self._plan_grads(mask, flags)
-        self._grads = torch.empty(self._grads_numel(), dtype=self.reduce_dtype,
-                                  device=self.compute_device)
-        self._pieces = [self._grad_pieces(i) for i in range(len(self.entries))]
-        keep = [i for i, (m, o) in enumerate(zip(mask, old_mask)) if m and o]  # room in both
-        if old_grads is not None:  # gradients accumulating without sync: move them
-            moves = [(r * old_stride + a, r * self._grad_stride + b, k)
-                     for i in keep for (r, a, k), (_, b, _) in zip(old_slots[i],
-                                                                   self._grad_slots[i])]
-            ops.zero_ranges_(self._grads, [(0, self._grads.numel())])
-            with torch.no_grad():
-                for src, dst, k in moves:
-                    self._grads[dst : dst + k].copy_(old_grads[src : src + k])
-        else:
-            self._free(self._grads)
-        if old_partial is not None:
-            self._partial = self._move_local(old_partial, old_local, keep, old_flags)
-        if old_shard is not None:
-            self._shard_grad = self._move_local(old_shard, old_local, keep, old_flags)
-            for i, (p, e) in enumerate(zip(self.params, self.entries)):
-                if not bound[i]:
-                    continue
-                if mask[i]:
-                    p.grad = self._sharded(e, self._shard_grad, requires_grad=False,
-                                           local=self._grad_local[i])
-                else:  # no room any more: the gradient keeps its values in its own memory
-                    a, b = old_local[i]
-                    p.grad = self._sharded(e, old_shard[a:b].clone(), requires_grad=False,
-                                           local=(0, b - a))
-
-    def _move_local(self, old: torch.Tensor, old_local, keep, old_flags: int) -> torch.Tensor:
-        """This rank's slot `old` (gradient elements at `old_local`, then `old_flags` flags)
-        in the current layout: the kept tensors' elements moved, flags kept, zeros elsewhere."""
-        Sg, F = self._grad_slot, self._flags
-        new = aligned_empty(Sg + F, old.dtype, old.device, pin_memory=self._pin and
-                            old.device.type == "cpu")
-        new.zero_()
-        with torch.no_grad():
-            for i in keep:
-                (a, b), (c, d) = old_local[i], self._grad_local[i]
-                new[c:d].copy_(old[a:b])
-            if F and old_flags:
-                new[Sg:].copy_(old[old.numel() - F :])
-        return new
 
     # --- landing -----------------------------------------------------------------------------
 
