@@ -320,15 +320,27 @@ class DBuffer(GradientPath):
         with torch.no_grad():
             mesh = p.device_mesh
             if not isinstance(value, DTensor):
-                value = distribute_tensor(value, mesh, p.placements, src_data_rank=None)
+                src = self._full_value_local(i, value)
             elif value.device_mesh != mesh:
                 raise ValueError(
                     f"{self.entries[i].name}: cannot load a DTensor on {value.device_mesh} into "
                     f"a parameter on {mesh}"
                 )
-            elif tuple(value.placements) != p.placements:
-                value = redistribute(value, mesh, p.placements)
-            p._local_tensor.view(-1).copy_(value._local_tensor.reshape(-1))
+            else:
+                if tuple(value.placements) != p.placements:
+                    value = redistribute(value, mesh, p.placements)
+                src = value._local_tensor
+            self._copy_local(i, src)
+
+    def _full_value_local(self, i: int, value: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full value of tensor `i` (`load_`)."""
+        p = self.params[i]
+        return distribute_tensor(value, p.device_mesh, p.placements,
+                                 src_data_rank=None)._local_tensor
+
+    def _copy_local(self, i: int, src: torch.Tensor) -> None:
+        """Copy this rank's part `src` into parameter `i`'s local tensor (`load_`)."""
+        self.params[i]._local_tensor.view(-1).copy_(src.reshape(-1))
 
     # --- views -------------------------------------------------------------------------------
 
@@ -417,7 +429,7 @@ class DBuffer(GradientPath):
         # The version is restored after the wait, as a backend may write the output (and bump
         # its version) on its own thread any time before the wait returns (gloo copies out).
         self._gather_version = self._unsharded._version
-        self._gathered_params = self._params_version()
+        self._gathered_params = versions = self._params_version()
         post_forward, self._post_forward = self._post_forward, None
         out = self._gather_output()
         # Through the comm, staged in its buffer: [Note: custom comms]
@@ -425,7 +437,7 @@ class DBuffer(GradientPath):
         comm = comm if comms.stages(comm, out.device) else None
         dest = out if comm is None else comms.allocate(comm, out.numel(), out.dtype, out.device)
         group = self.group
-        if post_forward is not None and post_forward[2] == self._params_version():
+        if post_forward is not None and post_forward[2] == versions:
             source, group, _ = post_forward  # reshard_after_forward=k: gather within k ranks
             self._gather_keep = source  # alive until the wait
         elif self.param_dtype == self.dtype and not self.offload:

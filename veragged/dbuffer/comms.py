@@ -33,15 +33,27 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather", "allocate", "reduce_scatter", "stages"]
+__all__ = [
+    "ProcessGroupAllocAllGather", "ProcessGroupAllocReduceScatter", "SymmMemAllGather",
+    "SymmMemReduceScatter", "all_gather", "allocate", "reduce_scatter", "stages",
+]
 
-try:  # torch >= 2.8
+# torch's own comm classes (None where the installed torch lacks them; 2.11 lacks several).
+try:
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
         ProcessGroupAllocAllGather, ProcessGroupAllocReduceScatter,
     )
-    _PG_ALLOC: tuple[type, ...] = (ProcessGroupAllocAllGather, ProcessGroupAllocReduceScatter)
 except ImportError:
-    _PG_ALLOC = ()
+    ProcessGroupAllocAllGather = ProcessGroupAllocReduceScatter = None
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        SymmMemAllGather, SymmMemReduceScatter,
+    )
+except ImportError:
+    SymmMemAllGather = SymmMemReduceScatter = None
+_PG_ALLOC: tuple[type, ...] = tuple(
+    c for c in (ProcessGroupAllocAllGather, ProcessGroupAllocReduceScatter) if c is not None
+)
 
 
 def stages(comm, device: torch.device) -> bool:

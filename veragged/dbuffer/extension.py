@@ -54,7 +54,6 @@ from veragged.dbuffer.buffer import DBuffer
 from veragged.dbuffer.entries import Entry as _Entry
 from veragged.dbuffer.memory import aligned_empty, alloc_storage, free_storage
 from veragged.placement.dtensor import make_spec
-from veragged.placement.redistribute import redistribute
 
 __all__ = ["ExtensionDBuffer", "has_extension"]
 
@@ -387,22 +386,12 @@ class ExtensionDBuffer(DBuffer):
         p = self.params[i]
         return p.dtype == self.dtype and p.device == self.device
 
-    def load_(self, i: int, value: torch.Tensor) -> None:
-        """Copy `value` (a DTensor on this mesh, redistributed if its placements differ, or the
-        full tensor) into parameter i's local tensor."""
-        p, e = self.params[i], self.entries[i]
-        if value.shape != p.shape:
-            raise ValueError(f"{e.name}: cannot load a tensor of shape {list(value.shape)} into "
-                             f"a parameter of shape {list(p.shape)}")
-        with torch.no_grad():
-            if isinstance(value, DTensor):
-                if value.device_mesh != self.mesh:
-                    raise ValueError(f"{e.name}: cannot load a DTensor on {value.device_mesh} "
-                                     f"into a parameter on {self.mesh}")
-                if tuple(value.placements) != p.placements:
-                    value = redistribute(value, self.mesh, p.placements)
-                src = value._local_tensor
-            else:
-                start = min(self.rank * self._rows[i], e.shape[0])
-                src = value.narrow(0, start, p._local_tensor.shape[0])
-            p._local_tensor.copy_(src)
+    # `load_` (DBuffer's) takes this rank's padded row chunk of a full value, and copies into
+    # the local tensor in its own shape (a subclass keeps its layout).
+
+    def _full_value_local(self, i: int, value: torch.Tensor) -> torch.Tensor:
+        start = min(self.rank * self._rows[i], self.entries[i].shape[0])
+        return value.narrow(0, start, self.params[i]._local_tensor.shape[0])
+
+    def _copy_local(self, i: int, src: torch.Tensor) -> None:
+        self.params[i]._local_tensor.copy_(src)

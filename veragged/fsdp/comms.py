@@ -7,20 +7,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from veragged.dbuffer.comms import (
+    ProcessGroupAllocAllGather, ProcessGroupAllocReduceScatter, SymmMemAllGather,
+    SymmMemReduceScatter,
+)
 from veragged.dbuffer.memory import mesh_device
-
-try:  # torch >= 2.8
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-        ProcessGroupAllocAllGather, ProcessGroupAllocReduceScatter,
-    )
-except ImportError:  # pragma: no cover - older torch
-    ProcessGroupAllocAllGather = ProcessGroupAllocReduceScatter = None
-try:
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-        SymmMemAllGather, SymmMemReduceScatter,
-    )
-except ImportError:  # pragma: no cover - older torch
-    SymmMemAllGather = SymmMemReduceScatter = None
 
 __all__ = [
     "check_symm_mem_buffers", "set_allocate_from_process_group", "set_custom_comm",
