@@ -96,7 +96,7 @@ def _gradients():
             buf.land_grad(i, rank_grad(i, t, 0))  # stands for the post-accumulate-grad hook
         buf.reduce_grads()
     # nothing but the verdict flags each rank writes into every slot ([Note: unreached parameters])
-    res["no_copies"] = counter.copied == world * buf._flag_room * buf._grads.element_size()
+    res["no_copies"] = counter.copied == world * buf._flags * buf._grads.element_size()
     res["grads"] = all(
         isinstance(p.grad, RaggedDTensor)
         and torch.allclose(p.grad.full_tensor(), mean_grad(i, t, 0))
@@ -186,10 +186,12 @@ def _compacted():
     res = {}
     mask = [i != 1 for i in range(n)]  # w_rows (the 64 x 24 tensor across slots) frozen
     buf.set_grad_layout(mask)
-    sizes = []
-    orig = dist.reduce_scatter_tensor
+    sizes = []  # elements each reduce-scatter sends (the list form: slots of different sizes)
+    orig, orig_list = dist.reduce_scatter_tensor, dist.reduce_scatter
     dist.reduce_scatter_tensor = lambda out, inp, *a, **k: sizes.append(inp.numel()) or orig(
         out, inp, *a, **k)
+    dist.reduce_scatter = lambda out, inps, *a, **k: sizes.append(
+        sum(t.numel() for t in inps)) or orig_list(out, inps, *a, **k)
     try:
         buf.alloc_unsharded_grads(buf.landing_scale())
         for i in (0, 2):
@@ -219,13 +221,14 @@ def _compacted():
             buf.land_grad(i, rank_grad(i, tensors[i][1]))
         buf.reduce_grads()
         trainable = sum(t.numel() for i, (_, t) in enumerate(tensors) if mask[i])
-        # no flags: the largest rank's trainable share per slot, nothing else
-        res["no_flags"] = sizes[-1] == world * buf._grad_slot and sizes[-1] >= trainable
+        # no flags: each rank's trainable share (rounded up to 16 bytes), nothing else
+        res["no_flags"] = (sizes[-1] == sum(buf._grad_sizes)
+                           and trainable <= sizes[-1] < trainable + world * buf._slot_align)
         res["grads_again"] = buf.params[1].grad is None and all(
             torch.allclose(buf.params[i].grad.full_tensor(), mean_grad(i, tensors[i][1]))
             for i in (0, 2, 3, 4))
     finally:
-        dist.reduce_scatter_tensor = orig
+        dist.reduce_scatter_tensor, dist.reduce_scatter = orig, orig_list
     return res
 
 

@@ -118,6 +118,9 @@ def _shard(impl: str, variant: str):
     for block in model[:BLOCKS]:
         IMPLS[impl](block, **kw)
     IMPLS[impl](model, **kw)
+    if variant == "bitfit":  # frozen after fully_shard: veragged's compacted gradient slots
+        for n, p in model.named_parameters():  # differ per rank, the comm's are padded
+            p.requires_grad_(n.endswith("bias"))
     return model
 
 
@@ -152,15 +155,16 @@ def _train(impl: str, variant: str, custom: bool = True):
     params = {n: _full(p) for n, p in model.named_parameters()}
     groups = None
     if impl == "veragged":
+        # ([Note: compacted gradients]: a comm's reduce-scatter slots are the largest rank's)
         groups = [(g.buffer.world * g.buffer.shard_size,
-                   g.buffer.world * (g.buffer._grad_slot + g.buffer._flags),
-                   g.buffer._grad_slot + g.buffer._flags)
+                   g.buffer.world * (max(g.buffer._grad_sizes) + g.buffer._flags),
+                   max(g.buffer._grad_sizes) + g.buffer._flags, g.buffer.grad_slots_uniform)
                   for m in model.modules() if hasattr(m, "_veragged_state")
                   for g in m._veragged_state.groups]
     return out, params, ag.allocs, ag.calls, rs.allocs, rs.calls, groups
 
 
-VARIANTS = ["plain", "sync_comms", "no_sync", "mixed_precision", "chunked",
+VARIANTS = ["plain", "sync_comms", "no_sync", "mixed_precision", "chunked", "bitfit",
             "separate_reduce_scatter_group", "process_group_alloc",
             "hsdp_separate_reduce_scatter_group", "reshard_after_forward_2"]
 
@@ -189,7 +193,8 @@ def _compare(ref, res, same) -> None:
         for (r_loss, r_grads), (loss, grads) in zip(r_out, out):
             assert same(r_loss, loss)
             for n, g in r_grads.items():
-                assert same(g, grads[n]), n
+                assert (g is None) == (grads[n] is None), n  # frozen: None on both
+                assert g is None or same(g, grads[n]), n
         for n, p in r_params.items():
             assert same(p, params[n]), n
 
@@ -220,6 +225,8 @@ def _check_comms(variant, t_comms, v_comms) -> None:
     gather_numels = {g[0] for g in groups}
     assert {c["out"] for c in v_ag} == gather_numels
     assert {(c["inp"], c["out"]) for c in v_rs} == {(g[1], g[2]) for g in groups}
+    if variant == "bitfit":  # some rank's share of the biases is larger than another's
+        assert not all(g[3] for g in groups), groups
     compute = torch.bfloat16 if variant == "mixed_precision" else torch.float32
     assert {c["dtype"] for c in v_ag} == {c["dtype"] for c in t_ag} == {compute}
     assert {c["dtype"] for c in v_rs} == {c["dtype"] for c in t_rs} == {torch.float32}

@@ -129,10 +129,8 @@ class DBuffer(GradientPath):
         compute = param_dtype or dtype
         itemsize = min(d.itemsize for d in (dtype, compute, reduce_dtype or compute))
         S = self.shard_size = self._place(tensors, block_sizes, align=ALIGN_BYTES // itemsize)
-        # The verdict flags after each slot of the gradient buffer: [Note: unreached parameters].
-        self._flag_room = self.flag_room(len(tensors), FLAG_ALIGN_BYTES // itemsize, mesh.size())
         # Gradient room for every tensor until told otherwise: [Note: compacted gradients].
-        self._grad_align = ALIGN_BYTES // itemsize
+        self._slot_align = FLAG_ALIGN_BYTES // itemsize  # a compacted slot's size rounds to it
         self._grad_mask, self._grad_flags = None, True
         shard = aligned_empty(S, dtype, device, pin_memory=self._pin and not meta)
         if not meta:

@@ -13,8 +13,9 @@ sets them) stages that collective the same way, and only then pays the copies:
   `comm(output_tensor=staging, input_tensor=that slot, group=, async_op=True)` gathers in place (as
   torch's); after the wait the staging buffer is copied into the unsharded buffer;
 - reduce-scatter: `comm.allocate` of the input (the whole gradient buffer, P slots of Sg + F, so
-  that the verdict flags travel: [Note: unreached parameters]) and of the output (Sg + F); the
-  gradient buffer is copied in and freed; `comm(..., op=ReduceOp.SUM, async_op=True)`; the output
+  that the verdict flags travel: [Note: unreached parameters]; compacted slots of different sizes
+  padded to the largest, [Note: compacted gradients]) and of the output (Sg + F); the gradient
+  buffer is copied in and freed; `comm(..., op=ReduceOp.SUM, async_op=True)`; the output
   then goes where the default path's own goes (HSDP all-reduce, hook, scale and cast into the
   sharded gradients), so the reduce-scatter never writes the sharded gradients directly.
 The comm sees the param dtype (all-gather) and the reduce dtype (reduce-scatter), as torch's comm
@@ -98,9 +99,17 @@ def all_gather(comm, out: torch.Tensor, source: torch.Tensor, group: dist.Proces
     return comm(output_tensor=out, input_tensor=mine, group=group, async_op=True)
 
 
-def reduce_scatter(comm, out: torch.Tensor, source: torch.Tensor, group: dist.ProcessGroup):
+def reduce_scatter(comm, out: torch.Tensor, source: torch.Tensor, group: dist.ProcessGroup,
+                   starts: list[int] | None = None):
     """SUM-reduce-scatter `source` into `out` over `group`, asynchronously (through `comm`
-    if given); returns the work (or None)."""
+    if given); returns the work (or None). `starts`: where each rank's slot of `source` begins
+    and the end, for slots of different sizes (the list form of the collective, which moves
+    each rank's own slot rather than the largest; `comm` takes equal slots only)."""
+    if starts is not None:
+        if comm is not None:
+            raise ValueError(f"reduce_scatter: {type(comm).__name__} takes equal slots only")
+        slots = [source[a:b] for a, b in zip(starts, starts[1:])]
+        return dist.reduce_scatter(out, slots, op=dist.ReduceOp.SUM, group=group, async_op=True)
     if comm is None:
         return dist.reduce_scatter_tensor(
             out, source, op=dist.ReduceOp.SUM, group=group, async_op=True

@@ -6,13 +6,18 @@ Only tensors that require grad have room in the gradient buffer. `fully_shard` p
 trainable parameters in different groups, but `requires_grad_()` after it (PEFT's and torch's
 freeze-after-init) leaves both in one DBuffer; its group then gives the buffer the mask of what
 requires grad at each backward's start (`set_grad_layout`). Rank r's gradient slot holds r's
-pieces of the masked tensors, packed in layout order: Sg = max over ranks of their sum, rounded
-up to the alignment (Sg = S, the identity layout, when every tensor is masked; a
-`ChunkedDBuffer` always keeps it). Each tensor keeps its rank distribution (its gradient on
+pieces of the masked tensors, packed in layout order: Sg_r elements, their sum rounded up to 16
+bytes (Sg_r = S for every rank, the identity layout, when every tensor is masked; a
+`ChunkedDBuffer` always keeps it). Slots of different sizes are reduce-scattered by the list
+form of the collective (`dist.reduce_scatter`; NCCL runs it as grouped reduces), in which each
+rank sends every slot as it is: the wire carries the trainable gradients themselves, however
+unevenly the parameter layout spread them (a model frozen after `fully_shard` may hold its
+adapters on a few ranks), not W copies of the largest slot. A comm that stages the collective
+([Note: custom comms]) takes equal slots, so its buffer pads each to the largest. Each tensor keeps its rank distribution (its gradient on
 rank r has exactly r's elements of the parameter), so a sharded gradient is the same
 RaggedShard DTensor over `_shard_grad[_grad_local[i]]`, at another offset than the parameter in
 the shard. The landing, the flags, the reduce-scatter and the HSDP all-reduce all work on slots
-of Sg + F: frozen tensors cost nothing on the wire or in memory, as in torch's FSDP2, which
+of Sg_r + F: frozen tensors cost nothing on the wire or in memory, as in torch's FSDP2, which
 leaves them out of its reduce-scatter. A tensor that gains a gradient without room (frozen
 when the layout was made) triggers a new layout in place; gradients held across a change move.
 (tests/fsdp/test_compacted_grads.py; torch's test_train_mixed_requires_grad_per_group.)
@@ -32,10 +37,10 @@ __all__ = ["GradientLayout"]
 
 class GradientLayout:
     """The gradient buffer's layout (a mixin of `GradientPath`, on DBuffer's fields): rank-major
-    slots of Sg gradient elements then F verdict flags ([Note: unreached parameters] in
+    slots of Sg_r gradient elements then F verdict flags ([Note: unreached parameters] in
     grads.py)."""
 
-    # The gradient buffer is the reduce-scatter input (rank-major, slots of S + F elements); a
+    # The gradient buffer is the reduce-scatter input (rank-major, slots of Sg_r + F elements); a
     # subclass landing gradients in another layout sets False and overrides `_rank_major`.
     _GRADS_RANK_MAJOR = True
 
@@ -50,7 +55,7 @@ class GradientLayout:
     def _plan_grads(self, mask: Sequence[bool] | None = None, flags: bool = True) -> None:
         """Lay the gradient buffer out for the tensors `mask` marks (default: every tensor):
         each one's pieces per rank slot (`_grad_slots`), this rank's part of the sharded
-        gradients (`_grad_local`), the slot size Sg ([Note: compacted gradients]) and whether
+        gradients (`_grad_local`), the slot sizes Sg_r ([Note: compacted gradients]) and whether
         the slots end with verdict flags ([Note: unreached parameters])."""
         n = len(self.entries)
         mask = (True,) * n if mask is None else tuple(bool(m) for m in mask)
@@ -71,21 +76,40 @@ class GradientLayout:
                 used[r] = off + end - a
                 a = end
             slots.append(pieces)
+        # F: the flags in use, one for each tensor with room (the others get no gradient)
+        F = self.flag_room(sum(mask), self._slot_align, W) if flags else 0
+        flag_of, j = [], 0
+        for m in mask:
+            flag_of.append(j if m and F else None)
+            j += bool(m and F)
         if identity:
-            self._grad_slot = S
+            sizes = [S] * W
             local = [e.local for e in self.entries]
-        else:
-            align = self._grad_align
-            self._grad_slot = max(align, -(-max(used) // align) * align)
+        else:  # each rank's slot as large as its own share: [Note: compacted gradients]
+            align = self._slot_align
+            sizes = [-(-u // align) * align for u in used]
             local = []
             for pieces in slots:
                 mine = [(off, off + k) for r, off, k in pieces if r == self.rank]
                 local.append(mine[0] if mine else (0, 0))
         self._grad_mask, self._grad_slots, self._grad_local = mask, slots, local
         self._grad_flags = bool(flags)
-        self._flags = self._flag_room if flags else 0  # F, the flags in use
-        F = self._flags if self._GRADS_RANK_MAJOR else 0
-        self._grad_stride = self._grad_slot + F  # one rank's slot in the gradient buffer
+        self._flags, self._flag_of = F, flag_of  # tensor i's verdict is flag _flag_of[i]
+        if not self._GRADS_RANK_MAJOR:  # the full layout: the flags come in its rank-major copy
+            F = 0
+        self._grad_sizes = sizes  # Sg_r: rank r's gradient elements in its slot
+        self._grad_slot = sizes[self.rank]  # this rank's
+        # Where each rank's slot (Sg_r + F elements) starts in the gradient buffer; the end.
+        self._grad_starts = [0] * (W + 1)
+        for r in range(W):
+            self._grad_starts[r + 1] = self._grad_starts[r] + sizes[r] + F
+        self._flag_index = None  # the flags' positions in the buffer, made when first needed
+
+    @property
+    def grad_slots_uniform(self) -> bool:
+        """Whether every rank's gradient slot has the same size (the reduce-scatter is then
+        `reduce_scatter_tensor`'s; else the list form, uneven)."""
+        return len(set(self._grad_sizes)) == 1
 
     @property
     def grad_mask(self) -> tuple[bool, ...]:
@@ -93,7 +117,7 @@ class GradientLayout:
         return self._grad_mask
 
     def _grads_numel(self) -> int:
-        return self.world * self._grad_stride
+        return self._grad_starts[-1]
 
     def _grad_pieces(self, i: int) -> list[tuple[int, int, torch.Tensor]] | None:
         """Tensor i's gradient as views of the gradient buffer: (first, last) flat elements
@@ -103,10 +127,10 @@ class GradientLayout:
         if not self._grad_mask[i]:
             return None  # no room: frozen ([Note: compacted gradients])
         G, e = self._grads, self.entries[i]
-        pieces, stride = self._grad_slots[i], self._grad_stride
+        pieces, starts = self._grad_slots[i], self._grad_starts
         if len(pieces) <= 1:
             r, off, k = pieces[0] if pieces else (0, 0, 0)
-            lo = r * stride + off
+            lo = starts[r] + off
             return [(None, None, G[lo : lo + k].view(e.view_shape))]
         S = self.shard_size
         out, a, j = [], 0, 0
@@ -115,11 +139,12 @@ class GradientLayout:
             run = 0  # whole slots from here on
             while j + run < len(pieces) and pieces[j + run][2] == S:
                 run += 1
-            if run > 1:  # whole slots lie at offset 0 of theirs: nothing else shares them
+            stride = starts[r + 1] - starts[r]
+            if run > 1 and self.grad_slots_uniform:  # whole slots lie at offset 0 of theirs
                 out.append((a, a + run * S, G.view(-1, stride)[r : r + run, :S]))
                 a, j = a + run * S, j + run
             else:
-                lo = r * stride + off
+                lo = starts[r] + off
                 out.append((a, a + k, G[lo : lo + k]))
                 a, j = a + k, j + 1
         return out
@@ -140,7 +165,7 @@ class GradientLayout:
         self.finish_reduce()
         self.resolve_grads()
         old_mask, old_slots, old_local = self._grad_mask, self._grad_slots, self._grad_local
-        old_stride, old_flags = self._grad_stride, self._flags
+        old_starts, old_flags = self._grad_starts, (self._flags, self._flag_of)
         old_grads = self._grads if self.grads_allocated else None
         old_partial, old_shard = self._partial, self._shard_grad
         bound = [self._bound(p) for p in self.params]  # views of old_shard
@@ -150,7 +175,7 @@ class GradientLayout:
         self._pieces = [self._grad_pieces(i) for i in range(len(self.entries))]
         keep = [i for i, (m, o) in enumerate(zip(mask, old_mask)) if m and o]  # room in both
         if old_grads is not None:  # gradients accumulating without sync: move them
-            moves = [(r * old_stride + a, r * self._grad_stride + b, k)
+            moves = [(old_starts[r] + a, self._grad_starts[r] + b, k)
                      for i in keep for (r, a, k), (_, b, _) in zip(old_slots[i],
                                                                    self._grad_slots[i])]
             ops.zero_ranges_(self._grads, [(0, self._grads.numel())])
@@ -174,17 +199,20 @@ class GradientLayout:
                     p.grad = self._sharded(e, old_shard[a:b].clone(), requires_grad=False,
                                            local=(0, b - a))
 
-    def _move_local(self, old: torch.Tensor, old_local, keep, old_flags: int) -> torch.Tensor:
-        """This rank's slot `old` (gradient elements at `old_local`, then `old_flags` flags)
-        in the current layout: the kept tensors' elements moved, flags kept, zeros elsewhere."""
+    def _move_local(self, old: torch.Tensor, old_local, keep, old_flags) -> torch.Tensor:
+        """This rank's slot `old` (gradient elements at `old_local`, then the flags `old_flags`,
+        (F, each tensor's flag)) in the current layout: the kept tensors' elements and flags
+        moved, zeros elsewhere."""
         Sg, F = self._grad_slot, self._flags
         new = aligned_empty(Sg + F, old.dtype, old.device, pin_memory=self._pin and
                             old.device.type == "cpu")
         new.zero_()
+        old_F, old_of = old_flags
         with torch.no_grad():
             for i in keep:
                 (a, b), (c, d) = old_local[i], self._grad_local[i]
                 new[c:d].copy_(old[a:b])
-            if F and old_flags:
-                new[Sg:].copy_(old[old.numel() - F :])
+                j, k = old_of[i], self._flag_of[i]
+                if old_F and F and j is not None and k is not None:
+                    new[Sg + k].copy_(old[old.numel() - old_F + j])
         return new

@@ -28,8 +28,8 @@ A parameter that no rank's backward reached keeps `.grad = None` (torch's FSDP2 
 its reduce-scatter), yet the reduce-scatter covers the whole buffer on every rank, so that ranks
 whose data reached different parameters still issue the same collective. Which parameters some
 rank reached travels inside that collective: every rank's slot of the gradient buffer ends with
-F >= n flags (n tensors in the buffer, F rounded up to the slot alignment), and each rank writes
-its own verdicts into every slot's flags before the reduce-scatter (1 for a tensor its backward
+F >= n flags (n tensors with room in it, [Note: compacted gradients]; F rounded up to 16 bytes),
+and each rank writes its own verdicts into every slot's flags before the reduce-scatter (1 for a tensor its backward
 reached, or any tensor in `set_reduce_scatter_unused_params(True)` mode; 0 otherwise; one small
 host-to-device copy). The SUM leaves in each rank's slot the number of ranks that reached each
 tensor (HSDP: the all-reduce over the replicas adds theirs; a no-all-reduce micro-batch's sum
@@ -44,7 +44,7 @@ detail (the sign of a zero sum) matters; the flags never touch a gradient elemen
 did not reach a tensor sends +0.0 there, which leaves the others' sum bitwise as it was (their
 elements are never -0.0: +0.0 + x is not). The cost is F elements per rank on the wire and in
 the buffer (n rounded up to 16 bytes, `FLAG_ALIGN_BYTES`: 16 B per rank for a buffer of up to 4
-fp32 tensors, 4 bytes a tensor beyond), and no collective torch's backward does not issue. It cannot be zero while the guarantee holds: a rank
+trainable fp32 tensors, 4 bytes a tensor beyond), and no collective torch's backward does not issue. It cannot be zero while the guarantee holds: a rank
 that reached a tensor another did not must tell it, and the gradient elements cannot carry the
 news (a reached rank's gradient may be exactly zero, and its sum with anything is another
 gradient), so the bits must travel somewhere; torch sends none and aborts instead when ranks
@@ -162,17 +162,17 @@ class GradientPath(GradientLayout):
                 if fill > 0:
                     covered[r].append((off, off + fill))
                 a = (r + 1) * S
-        ranges, Sg, stride = [], self._grad_slot, self._grad_stride
+        ranges, sizes, starts = [], self._grad_sizes, self._grad_starts
         if not self._GRADS_RANK_MAJOR:  # the full layout: one range of W * S elements
-            covered, Sg = [sum(covered, [])], self.world * S
+            covered, sizes = [sum(covered, [])], [self.world * S]
         for r, spans in enumerate(covered):
-            pos = 0
+            pos, at = 0, starts[r]
             for a, b in sorted(spans):
                 if a > pos:
-                    ranges.append((r * stride + pos, r * stride + a))
+                    ranges.append((at + pos, at + a))
                 pos = max(pos, b)
-            if pos < Sg:
-                ranges.append((r * stride + pos, r * stride + Sg))
+            if pos < sizes[r]:
+                ranges.append((at + pos, at + sizes[r]))
         if ranges:
             ops.zero_ranges_(self._grads, ranges)
         self._landed = [True] * len(self.entries)
@@ -214,16 +214,25 @@ class GradientPath(GradientLayout):
     def _write_flags(self, source: torch.Tensor, unreached: Sequence[bool] | None) -> None:
         """Write this rank's verdicts (1: reached or no verdict asked, 0: not reached) into the
         flags of every slot of the reduce-scatter input ([Note: unreached parameters])."""
-        S, F = self._grad_slot, self._flags
+        S, F = self._grad_sizes[0], self._flags
         if not F:
             return
-        n = len(self.entries)
-        values = [1.0] * n if unreached is None else [0.0 if u else 1.0 for u in unreached]
-        flags = torch.tensor(values + [0.0] * (F - n), dtype=source.dtype)
+        values = [0.0] * F
+        for i, j in enumerate(self._flag_of):
+            if j is not None:
+                values[j] = 0.0 if unreached is not None and unreached[i] else 1.0
+        flags = torch.tensor(values, dtype=source.dtype)
         if source.device.type != "cpu":
             flags = flags.pin_memory().to(source.device, non_blocking=True)
-        slots = source.view(-1, S + F)
-        slots[:, S:].copy_(flags.expand(slots.shape[0], F))
+        if self.grad_slots_uniform:
+            slots = source.view(-1, S + F)
+            slots[:, S:].copy_(flags.expand(slots.shape[0], F))
+            return
+        if self._flag_index is None or self._flag_index.device != source.device:
+            at = [a + s for a, s in zip(self._grad_starts, self._grad_sizes)]
+            self._flag_index = (torch.tensor(at, device=source.device)[:, None]
+                                + torch.arange(F, device=source.device)).view(-1)
+        source.index_copy_(0, self._flag_index, flags.repeat(len(self._grad_sizes)))
 
     def reduce_grads(
         self,
@@ -285,21 +294,37 @@ class GradientPath(GradientLayout):
         elif self.world == 1:
             reduced = source
         elif comm is not None:  # staged in the comm's buffers, flags included
-            staged = comms.allocate(comm, source.numel(), source.dtype, source.device)
-            staged.copy_(source)
-            source = staged
+            source = self._stage(comm, source)
             self._free(self._grads)
-            reduced = comms.allocate(comm, S + self._flags, self.reduce_dtype, self.compute_device)
+            reduced = comms.allocate(comm, source.numel() // self.world, self.reduce_dtype,
+                                     self.compute_device)
         else:
             reduced = torch.empty(S + self._flags, dtype=self.reduce_dtype,
                                   device=self.compute_device)
         work = None
         if self.world > 1:
+            starts = None if comm is not None or self.grad_slots_uniform else self._grad_starts
             work = comms.reduce_scatter(comm, reduced, source,
-                                        self.reduce_scatter_group or self.group)
+                                        self.reduce_scatter_group or self.group, starts)
         self._reduce = (work, source, reduced, direct, accumulate, scale, all_reduce, unreached)
         if not async_op:
             self.finish_reduce()
+
+    def _stage(self, comm, source: torch.Tensor) -> torch.Tensor:
+        """`source` copied into `comm`'s buffer, every rank's slot padded with zeros to the
+        largest (a comm reduce-scatters equal slots: [Note: custom comms])."""
+        W, F = self.world, self._flags
+        width = max(self._grad_sizes) + F
+        staged = comms.allocate(comm, W * width, source.dtype, source.device)
+        if self.grad_slots_uniform:
+            staged.copy_(source)
+            return staged
+        slots = staged.view(W, width)
+        with torch.no_grad():
+            slots.zero_()
+            for r, (a, b) in enumerate(zip(self._grad_starts, self._grad_starts[1:])):
+                slots[r, : b - a].copy_(source[a:b])
+        return staged
 
     def finish_reduce(self, bind: Sequence[bool] | None = None, hook=None,
                       defer: bool = False) -> list[bool]:
@@ -358,7 +383,7 @@ class GradientPath(GradientLayout):
         asked = [] if unreached is None else [i for i in range(n) if bind[i] and unreached[i]]
         verdict = None
         if asked and F:
-            verdict = _start_read(reduced[S : S + n] != 0)
+            verdict = _start_read(reduced[S : S + F] != 0)
         if reduced.device != self.device:  # offloaded: the optimizer steps on host shards
             reduced = reduced[:S].to(self.device)
         if self._shard_grad is None:
@@ -386,7 +411,7 @@ class GradientPath(GradientLayout):
         self._bind_grads([i for i in range(n) if now[i]], accumulate)
         self._free(self._grads)
         if asked:
-            self._pending = (verdict, asked, accumulate)
+            self._pending = (verdict, [(i, self._flag_of[i]) for i in asked], accumulate)
             if not defer:
                 late = self.resolve_grads()
                 now = [a or b for a, b in zip(now, late)]
@@ -404,7 +429,7 @@ class GradientPath(GradientLayout):
         if event is not None:
             event.synchronize()
         reached = host.tolist()
-        chosen = [i for i in asked if reached[i]]
+        chosen = [i for i, j in asked if reached[j]]
         self._bind_grads(chosen, accumulate)
         for i in chosen:
             written[i] = True

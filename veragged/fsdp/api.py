@@ -39,9 +39,10 @@ __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
 # own (per mesh and dtype): a LoRA model's backward sends and holds only the adapters, as
 # torch's FSDP2 sends only the parameters with gradients, and a DBuffer whose parameters are all
 # frozen allocates no gradient buffer and reduces nothing. The price is one more all-gather per
-# module whose parameters are mixed. `requires_grad_()` after `fully_shard` keeps the layout:
-# an unfrozen parameter in a frozen DBuffer gets its gradient through that DBuffer's (then
-# whole) reduce-scatter, a frozen one in a trainable DBuffer sends zeros.
+# module whose parameters are mixed. `requires_grad_()` after `fully_shard` keeps the parameter
+# layout but not the gradient one: each backward gives gradient room only to what then requires
+# grad ([Note: compacted gradients]), so a DBuffer's reduce-scatter carries each rank's share of
+# its trainable parameters, whichever were frozen or unfrozen since.
 
 # Original parameters some fully_shard call took: a second call meeting one (a parameter tied
 # across two calls) raises instead of silently untying it.
