@@ -46,6 +46,7 @@ from veragged.placement.api import distribute_tensor
 from veragged.placement.dtensor import RaggedDTensor, make_spec
 from veragged.placement.redistribute import redistribute
 from veragged.planner import plan
+from veragged.runtime.streams import current_stream_runtime
 
 if TYPE_CHECKING:
     from veragged.dbuffer.spmd import SpmdParam
@@ -142,7 +143,7 @@ class DBuffer(GradientPath):
                         t = t._local_tensor if isinstance(t, DTensor) else t
                         shard[b : b + n].copy_(self._local_part(e, t.detach()))
         self.params = self._make_buffers(shard)
-        self._gather_work = None
+        self._gather_handle = None  # the all-gather in flight (runtime Handle)
         self._gathered_params: tuple[int, ...] | None = None  # sharded versions at the gather
         self._gather_stage = None  # (comm's staging buffer, the all-gather output) until the wait
         self._reduce = None  # a launched reduce-scatter and how to finish it
@@ -383,6 +384,15 @@ class DBuffer(GradientPath):
     _free = staticmethod(free_storage)
     _alloc = staticmethod(alloc_storage)
 
+    # The streams every collective, access and release goes through ([Note: streams and
+    # events]): the caller's stream unless fully_shard gives its own (`Streams`).
+    rt = current_stream_runtime()
+    _unsharded_stream = None  # where the unsharded buffer's memory was allocated
+
+    def key(self, name: str) -> tuple[int, str]:
+        """The name of one of this buffer's tensors for the runtime's accesses."""
+        return (id(self), name)
+
     # --- parameters --------------------------------------------------------------------------
 
     @property
@@ -410,17 +420,31 @@ class DBuffer(GradientPath):
             self._release_storage()
 
     def _release_storage(self) -> None:
-        """Free the memory the unsharded parameters live in."""
+        """Free the memory the unsharded parameters live in (once no stream still uses it)."""
+        self.rt.reclaim_key(self.key("unsharded"))
         self._free(self._unsharded)
 
     def unshard(self, async_op: bool = False):
         """All-gather the shards into the unsharded buffer (allocated if freed).
 
-        Returns the collective's work handle (None once waited for); `wait_unshard()` waits.
+        On the all-gather stream ([Note: streams and events]); returns the runtime's handle
+        of the collective (None once waited for); `wait_unshard()` waits.
         """
         self.wait_unshard()  # a stale gather still in flight (`gather_is_current`) ends first
-        self._alloc(self._unsharded)
+        rt = self.rt
+        ag = rt.stream("all_gather")  # [Note: streams and events]
+        rt.alloc(self.key("unsharded"), self._unsharded, ag)
+        self._unsharded_stream = ag
         self._holds = True
+        with rt.use(ag):
+            self._launch_gather()
+        if not async_op:
+            self.wait_unshard()
+        return self._gather_handle
+
+    def _launch_gather(self) -> None:
+        """The all-gather's copy-in and launch, on the all-gather stream (current here)."""
+        rt = self.rt
         S = self.shard_size
         # Refilling the buffer is not a change autograd must see: tensors saved from the
         # unsharded views in forward are read in backward after this all-gather restored them.
@@ -446,19 +470,20 @@ class DBuffer(GradientPath):
                 source.copy_(self.shard, non_blocking=self._pin)
             else:
                 ops.cast_scale_(source, self.shard, 1.0)
+        reads = (self.key("kept"),) if source is self._gather_keep else (self.key("shard"),)
         if self.world == 1:  # nothing to gather: the shard is the whole buffer
             if source is self.shard:
                 ops.cast_scale_(out, self.shard, 1.0)
-            self._gather_work = None
-            self._finish_gather()
+            rt.launch("copy", reads=reads, writes=(self.key("unsharded"),))
+            self._gather_handle = rt.launched(None)  # `wait_unshard` finishes it
         else:
             # As bytes by default, as torch's FSDP2 does: every parameter dtype (float8, uint16,
             # ...) moves, whatever dtypes the backend reduces (gloo refuses several).
-            self._gather_work = comms.all_gather(comm, dest, source, group)
+            work = comms.all_gather(comm, dest, source, group)
+            staged = self.key("staged") if comm is not None else self.key("unsharded")
+            rt.launch("all_gather", reads=reads, writes=(staged,))
+            self._gather_handle = rt.launched(work)
             self._gather_stage = None if comm is None else (dest, out)
-        if not async_op:
-            self.wait_unshard()
-        return self._gather_work
 
     def gather_is_current(self) -> bool:
         """Whether the unsharded buffer holds the sharded parameters' current values (no
@@ -466,16 +491,19 @@ class DBuffer(GradientPath):
         return self.is_unsharded and self._gathered_params == self._params_version()
 
     def wait_unshard(self) -> None:
-        if self._gather_work is None and self._gather_stage is None:
-            return
-        if self._gather_work is not None:
-            self._gather_work.wait()
+        """Order the current stream after the all-gather (the host waits for it on the CPU)
+        and copy a comm's staging buffer out."""
+        handle, self._gather_handle = self._gather_handle, None
         stage, self._gather_stage = self._gather_stage, None
-        self._gather_work = None
+        if handle is None:
+            return
+        self.rt.completed(handle)
         self._gather_keep = None
         if stage is not None:  # the comm's staging buffer: [Note: custom comms]
+            self.rt.launch("copy", reads=(self.key("staged"),), writes=(self.key("unsharded"),))
             with torch.no_grad():
                 stage[1].copy_(stage[0])
+            self.rt.release(self.key("staged"), stage[0], self._unsharded_stream, "drop")
         self._finish_gather()
 
     # The rank-major layout (rank r's slot at [r * S, (r + 1) * S)) is what the collectives move;
@@ -517,7 +545,9 @@ class DBuffer(GradientPath):
             j = dist.get_group_rank(post_forward_group, dist.get_rank())
             chunk = self._unsharded.numel() // k  # k divides the world, so P * S
             keep = self._rank_major(self._unsharded)[j * chunk : (j + 1) * chunk].clone()
+            self.rt.launch("copy", reads=(self.key("unsharded"),), writes=(self.key("kept"),))
             self._post_forward = (keep, post_forward_group, self._params_version())
+        if self._holds:  # its memory returns once no stream still reads it
+            self.rt.release(self.key("unsharded"), self._unsharded, self._unsharded_stream,
+                            "keep" if self.keep_storage else "free")
         self._holds = False
-        if not self.keep_storage:
-            self._release_storage()

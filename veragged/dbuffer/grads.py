@@ -108,7 +108,7 @@ class GradientPath(GradientLayout):
         """Allocate the gradient buffer (the reduce dtype), unzeroed: gradients land by
         `land_grad`, multiplied by `scale` (see `landing_scale`), and the rest is zeroed by
         `complete_grads` ([Note: gradient landing])."""
-        self._alloc(self._grads)
+        self.rt.alloc(self.key("grads"), self._grads)
         self._landed = [False] * len(self.entries)
         self._land_scale = scale
         if self._zero is None:  # the +0.0 each landing adds, made once
@@ -140,6 +140,7 @@ class GradientPath(GradientLayout):
         else:  # across shard slots: [Note: gradient landing]
             flat = grad.reshape(-1)
             parts = [(view, flat[a:b].view(view.shape)) for a, b, view in pieces]
+        self.rt.write(self.key("grads"))
         with torch.no_grad():
             if self._landed[i]:
                 for view, g in parts:
@@ -195,7 +196,7 @@ class GradientPath(GradientLayout):
     def zero_unsharded_grads(self) -> None:
         """Allocate and zero the gradient buffer (one launch): every tensor counts as landed,
         so `land_grad` adds into it."""
-        self._alloc(self._grads)
+        self.rt.alloc(self.key("grads"), self._grads)
         ops.zero_ranges_(self._grads, [(0, self._grads.numel())])
         self._landed = [True] * len(self.entries)
         self._land_scale = 1.0
@@ -261,6 +262,7 @@ class GradientPath(GradientLayout):
         S = self._grad_slot
         if not self._grad_flags:  # laid out without flags: every tensor counts as reached
             unreached = None
+        self.rt.write(self.key("grads"))  # the zeros and flags below, on the current stream
         if self.grads_allocated:
             self.complete_grads()
         if self._GRADS_RANK_MAJOR:
@@ -287,28 +289,43 @@ class GradientPath(GradientLayout):
             and (all_reduce or not self._replica_dims())
             and not (accumulate and any(self._bound(p) for p in self.params))
         )
+        # On the reduce-scatter stream, after the gradients landed: [Note: streams and events]
+        rt = self.rt
+        rs = rt.stream("reduce_scatter")
+        rt.reclaim(rs)  # outputs of earlier reductions, once the current stream is done
+        rt.wait(rt.record(), rs)
+        with rt.use(rs):
+            reduced, source, temp = self._launch_reduce(direct, comm, source, S)
+            handle = rt.launched(None)
+            if self.world > 1:
+                starts = (None if comm is not None or self.grad_slots_uniform
+                          else self._grad_starts)
+                work = comms.reduce_scatter(comm, reduced, source,
+                                            self.reduce_scatter_group or self.group, starts)
+                rt.launch("reduce_scatter", reads=(self.key("staged_grads" if comm else "grads"),),
+                          writes=(self.key("shard_grad" if direct else "reduced"),))
+                handle = rt.launched(work)
+        self._reduce = (handle, (source, temp), reduced, direct, accumulate, scale, all_reduce,
+                        unreached)
+        if not async_op:
+            self.finish_reduce()
+
+    def _launch_reduce(self, direct: bool, comm, source: torch.Tensor, S: int):
+        """The reduce-scatter's output (allocated on the reduce-scatter stream, current here)
+        and input: (output, input, the output if it is a temporary to release after use)."""
         if direct:  # the reduce-scatter writes the sharded gradients
             if self._shard_grad is None:
                 self._shard_grad = self._new_shard_grad()
-            reduced = self._shard_grad
-        elif self.world == 1:
-            reduced = source
-        elif comm is not None:  # staged in the comm's buffers, flags included
+            return self._shard_grad, source, None
+        if self.world == 1:
+            return source, source, None
+        if comm is not None:  # staged in the comm's buffers, flags included
             source = self._stage(comm, source)
-            self._free(self._grads)
             reduced = comms.allocate(comm, source.numel() // self.world, self.reduce_dtype,
                                      self.compute_device)
-        else:
-            reduced = torch.empty(S + self._flags, dtype=self.reduce_dtype,
-                                  device=self.compute_device)
-        work = None
-        if self.world > 1:
-            starts = None if comm is not None or self.grad_slots_uniform else self._grad_starts
-            work = comms.reduce_scatter(comm, reduced, source,
-                                        self.reduce_scatter_group or self.group, starts)
-        self._reduce = (work, source, reduced, direct, accumulate, scale, all_reduce, unreached)
-        if not async_op:
-            self.finish_reduce()
+            return reduced, source, reduced
+        reduced = torch.empty(S + self._flags, dtype=self.reduce_dtype, device=self.compute_device)
+        return reduced, source, reduced
 
     def _stage(self, comm, source: torch.Tensor) -> torch.Tensor:
         """`source` copied into `comm`'s buffer, every rank's slot padded with zeros to the
@@ -316,6 +333,7 @@ class GradientPath(GradientLayout):
         W, F = self.world, self._flags
         width = max(self._grad_sizes) + F
         staged = comms.allocate(comm, W * width, source.dtype, source.device)
+        self.rt.launch("copy", reads=(self.key("grads"),), writes=(self.key("staged_grads"),))
         if self.grad_slots_uniform:
             staged.copy_(source)
             return staged
@@ -346,30 +364,50 @@ class GradientPath(GradientLayout):
         done = self.resolve_grads()
         if self._reduce is None:
             return done
-        work, source, reduced, direct, accumulate, scale, all_reduce, unreached = self._reduce
+        handle, (source, temp), reduced, direct, accumulate, scale, all_reduce, unreached = (
+            self._reduce)
         self._reduce = None
-        if work is not None:
-            work.wait()
-        del source
+        rt, rs = self.rt, self.rt.stream("reduce_scatter")
+        rkey = self.key("shard_grad" if direct else "reduced")
         S, F = self._grad_slot, self._flags
         n = len(self.params)
         replica_dims = self._replica_dims()
+        if replica_dims and all_reduce and self._partial is None:
+            # HSDP: the all-reduce on its own stream, after the reduce-scatter's event.
+            ar = rt.stream("all_reduce")
+            rt.completed(handle, ar)
+            for d in replica_dims:
+                with rt.use(ar):
+                    work = dist.all_reduce(reduced, op=dist.ReduceOp.SUM,
+                                           group=self.mesh.get_group(d), async_op=True)
+                    rt.launch("all_reduce", reads=(rkey,), writes=(rkey,))
+                    handle = rt.launched(work)
+                rt.completed(handle, ar)  # the next dim's all-reduce after this one
+            replica_dims = []
+        rt.completed(handle)
+        del source
         if replica_dims and not all_reduce:
             # HSDP micro-batch without the all-reduce (set_requires_all_reduce(False)): keep the
             # reduce-scattered sum (and flags) aside, as torch does; the next all-reducing
             # micro-batch adds it in before its all-reduce. The sharded gradients are not
             # touched until then.
+            rt.read(rkey)
             if self._partial is None:
                 self._partial = reduced[: S + F].clone()
             else:
                 self._partial.add_(reduced[: S + F])
-            self._free(self._grads)
+            self._release_reduced(temp)
             return done
-        if self._partial is not None:
+        if self._partial is not None:  # (on the current stream: it holds the kept sums)
+            rt.read(rkey)
             reduced = reduced[: S + F] + self._partial
             self._partial = None
+            rkey = self.key("partial_sum")
+            rt.write(rkey)
         for d in replica_dims:
             dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.mesh.get_group(d))
+            rt.launch("all_reduce", reads=(rkey,), writes=(rkey,))
+        rt.read(rkey)
         if hook is not None:
             fn, stream = hook
             if stream is None:
@@ -392,6 +430,8 @@ class GradientPath(GradientLayout):
         # accumulating pass below): every tensor that may be bound now or after its verdict.
         fresh = [self._grad_local[i] for i, (p, b) in enumerate(zip(self.params, bind))
                  if b and not self._bound(p)]
+        if not direct:
+            rt.write(self.key("shard_grad"))
         if direct:
             pass  # the reduce-scatter wrote them
         elif accumulate and any(self._bound(p) for p in self.params):
@@ -409,13 +449,21 @@ class GradientPath(GradientLayout):
         if verdict is None and asked:  # a mesh of one rank: its own backward is the verdict
             asked = []
         self._bind_grads([i for i in range(n) if now[i]], accumulate)
-        self._free(self._grads)
+        self._release_reduced(temp)
         if asked:
             self._pending = (verdict, [(i, self._flag_of[i]) for i in asked], accumulate)
             if not defer:
                 late = self.resolve_grads()
                 now = [a or b for a, b in zip(now, late)]
         return [a or b for a, b in zip(done, now)]
+
+    def _release_reduced(self, temp: torch.Tensor | None) -> None:
+        """Free the gradient buffer (allocated and last read on the current stream, which the
+        reduce-scatter's event ordered after the reduction) and release a temporary
+        reduce-scatter output to the reduce-scatter stream ([Note: streams and events])."""
+        self.rt.free(self.key("grads"), self._grads)
+        if temp is not None:
+            self.rt.release(self.key("reduced"), temp, self.rt.stream("reduce_scatter"), "drop")
 
     def resolve_grads(self) -> list[bool]:
         """Bind the gradients of the tensors whose verdict `finish_reduce(defer=True)` left

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from veragged.runtime.streams import alloc_storage, free_storage  # re-exported
+
 __all__ = ["ALIGN_BYTES", "aligned_empty", "mesh_device", "free_storage", "alloc_storage"]
 
 ALIGN_BYTES = 256
@@ -27,16 +29,3 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
-
-
-def free_storage(buf: torch.Tensor) -> None:
-    """Release `buf`'s memory; its views stay valid (and empty) until `alloc_storage`."""
-    buf.untyped_storage().resize_(0)
-
-
-def alloc_storage(buf: torch.Tensor) -> None:
-    """Regrow a storage freed by `free_storage` in place (the same storage object)."""
-    storage = buf.untyped_storage()
-    need = buf.numel() * buf.element_size()
-    if storage.size() != need:
-        storage.resize_(need)

@@ -136,6 +136,11 @@ class ParamGroup:
         if self.needs_gather:
             if not self.buffer.MAKES_UNSHARDED:
                 self._refuse_late_hooks()
+            # Memory released to the all-gather stream returns first; in forward the block
+            # computed last stays, so this all-gather does not wait for its compute.
+            rt = self.buffer.rt
+            rt.reclaim(rt.stream("all_gather"),
+                       keep=1 if self.training_state == TrainingState.FORWARD else 0)
             self.buffer.unshard(async_op=True)
         if not async_op:
             self.wait_for_unshard()
@@ -220,7 +225,13 @@ class ParamGroup:
         self.training_state = TrainingState.FORWARD
         self.unshard()
 
+    def _computed(self) -> None:
+        """The module's compute, queued on the current stream, read the unsharded buffer."""
+        if self.buffer.is_unsharded:
+            self.buffer.rt.read(self.buffer.key("unsharded"))
+
     def post_forward(self, order: list["ParamGroup"], reshard: bool = True) -> None:
+        self._computed()
         if reshard:
             if self.reshard_after_forward:
                 self.reshard(post_forward=True)
@@ -299,6 +310,7 @@ class ParamGroup:
         if state == TrainingState.POST_BACKWARD:
             return
         self.training_state = TrainingState.POST_BACKWARD
+        self._computed()
         if state == TrainingState.PRE_BACKWARD:
             for u in self.unsharded:
                 u.grad = None

@@ -70,6 +70,7 @@ from torch.distributed.utils import _apply_to_tensors
 from veragged.fsdp.extensions import adopt_extensions
 from veragged.fsdp.group import ParamGroup, TrainingState
 from veragged.fsdp.state_dict import take_assigned
+from veragged.runtime import for_device
 
 __all__ = ["FSDPState", "StateContext"]
 
@@ -103,6 +104,7 @@ class StateContext:
         self.reducing: list[ParamGroup] = []  # groups whose reduce-scatter is in flight, oldest first
         self.max_reducing = 1  # set_reduce_scatter_max_input_buffers: max over the states
         self.is_last_backward = True  # False: the last reduce-scatter may stay in flight
+        self.streams = None  # the tree's runtime ([Note: streams and events]), at lazy init
         # [Note: manual backward finalization]
         self.manual_finalization = False  # set_manual_backward_finalization
         self.manual_active: bool | None = None  # the mode the current backward iteration took
@@ -238,6 +240,12 @@ class FSDPState:
             state.ctx = ctx
             ctx.all_states.append(state)
         ctx.resolve_max_reducing()
+        # One runtime for the tree: its streams order every group's collectives.
+        devices = [g.buffer.compute_device for _, st in found for g in st.groups]
+        ctx.streams = for_device(devices[0] if devices else torch.device("cpu"))
+        for _, state in found:
+            for g in state.groups:
+                g.buffer.rt = ctx.streams
         if self.auto_reshard_after_forward:
             for g in self.groups:
                 g.reshard_after_forward = False
@@ -307,6 +315,7 @@ class FSDPState:
         if self.ctx.iter_forward_root is self:
             self._complete_partial_groups(output)
             self.ctx.iter_forward_root = None
+            self.ctx.streams.flush()  # forward's last releases: [Note: streams and events]
         return self._cast_output(output)
 
     def _complete_partial_groups(self, output) -> None:
@@ -352,9 +361,22 @@ class FSDPState:
         return _apply_to_tensors(functools.partial(_cast, dtype), output)
 
     def _wait_post_optim(self) -> None:
+        """The iteration's first all-gathers read the shards the optimizer wrote on the
+        current stream: order the all-gather stream after the post-optim event if one was
+        set, else after everything the current stream queued (torch's rule)."""
         event, self.post_optim_event = self.post_optim_event, None
+        rt = self.ctx.streams
+        if rt is None:
+            return
+        for state in self.ctx.all_states:  # what the user's step may have done meanwhile
+            for g in state.groups:
+                rt.write(g.buffer.key("shard"))
+                rt.read(g.buffer.key("shard_grad"))
+        ag = rt.stream("all_gather")
         if event is not None:
-            event.wait()
+            rt.wait(event, ag)
+        else:
+            rt.wait_stream(ag)
 
     # --- backward ----------------------------------------------------------------------------
 
@@ -426,6 +448,7 @@ class FSDPState:
             ctx.post_forward_order.clear()
             ctx.manual_active = None
         ctx.callback_queued = False
+        ctx.streams.flush()
 
     # --- manual backward finalization ---------------------------------------------------------
 
@@ -451,6 +474,7 @@ class FSDPState:
         ctx.post_forward_order.clear()
         ctx.manual_active = None
         ctx.reduction = None
+        ctx.streams.flush()
 
     def check_finalize(self) -> None:
         """torch's checks (and words) before `finalize_backward`."""
@@ -497,3 +521,5 @@ class FSDPState:
         ctx.callback_queued = False
         ctx.manual_active = None
         ctx.reduction = None  # invalidates an outstanding GradientReductionHandle
+        if ctx.streams is not None:
+            ctx.streams.flush()
