@@ -249,7 +249,10 @@ class ExtensionDBuffer(DBuffer):
                 return self._work
             self.reshard()  # the sharded parameters changed since: gather them again
         self._gathered_params = self._params_version()
-        inputs = [self._inputs(i) for i in range(len(self.entries))]
+        rt = self.rt
+        ag = rt.stream("all_gather")  # [Note: streams and events]
+        with rt.use(ag):  # the pre-all-gather hooks run where their inputs are read, as torch's
+            inputs = [self._inputs(i) for i in range(len(self.entries))]
         P = self.world
         for i, ins in enumerate(inputs):
             if not self._outputs[i]:  # torch's init_all_gather_outputs: once, then reused
@@ -262,18 +265,19 @@ class ExtensionDBuffer(DBuffer):
                     f"{[(tuple(t.shape), t.dtype) for t in ins]}, unlike the first all-gather's "
                     "(the outputs are made once and reused)"
                 )
-            for o in outs:
-                alloc_storage(o)
-        flat = [t.contiguous().view(torch.uint8) for ins in inputs for t in ins]
-        send = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8,
-                                                        device=self.compute_device)
-        self._sizes = [t.numel() for t in flat]
-        if P == 1:
-            self._recv, self._work = send, None
-        else:  # bytes, as DBuffer.unshard: any dtype moves, whatever the backend reduces
-            self._recv = torch.empty(P * send.numel(), dtype=torch.uint8, device=send.device)
-            self._work = dist.all_gather_into_tensor(self._recv, send, group=self.group,
-                                                     async_op=True)
+        with rt.use(ag):  # copy-in and all-gather
+            flat = [t.contiguous().view(torch.uint8) for ins in inputs for t in ins]
+            send = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8,
+                                                            device=self.compute_device)
+            self._sizes = [t.numel() for t in flat]
+            if P == 1:
+                self._recv, work = send, None
+            else:  # bytes, as DBuffer.unshard: any dtype moves, whatever the backend reduces
+                self._recv = torch.empty(P * send.numel(), dtype=torch.uint8, device=send.device)
+                work = dist.all_gather_into_tensor(self._recv, send, group=self.group,
+                                                   async_op=True)
+            rt.launch("all_gather", reads=(self.key("shard"),), writes=(self.key("recv"),))
+            self._work = rt.launched(work)
         self._send = send  # alive until the wait
         self._state = "gathering"
         if not async_op:
@@ -284,17 +288,24 @@ class ExtensionDBuffer(DBuffer):
         """Finish the all-gather, copy each input's rows out, post-all-gather every parameter."""
         if self._state != "gathering":
             return
-        if self._work is not None:
-            self._work.wait()
-        recv = self._recv.view(self.world, -1)
+        rt = self.rt
+        rt.completed(self._work)
+        recv, send = self._recv, self._send
         self._work = self._send = self._recv = None
         outs = [o for os in self._outputs for o in os]
+        for o in outs:  # on the current stream, which reads and frees them
+            alloc_storage(o)
+        rt.launch("copy", reads=(self.key("recv"),), writes=(self.key("unsharded"),))
+        recv = recv.view(self.world, -1)
         if outs:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
                 a = 0
                 for o, n in zip(outs, self._sizes):
                     o.view(torch.uint8).view(self.world, n).copy_(recv[:, a : a + n])
                     a += n
+        ag = rt.stream("all_gather")  # the copy-in's memory returns to its stream
+        rt.release(self.key("recv"), recv, ag, "drop")
+        rt.release(self.key("send"), send, ag, "drop")
         self._state = "unsharded"
         for i in range(len(self.entries)):
             self._post_all_gather(i)

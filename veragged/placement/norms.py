@@ -92,8 +92,10 @@ def _part(t: torch.Tensor, ord: float, dims=None, dtype=None, keepdim=False) -> 
     if dtype is not None:
         t = t.to(dtype)  # torch casts the input first
     if dims is None and t.numel() == 0:  # the identity; torch's norm of an empty shard raises
-        return torch.tensor(math.inf if ord == -math.inf else 0.0, dtype=torch.float64,
-                            device=t.device)
+        # a fill, not torch.tensor(..., device=): that copies from pageable host memory and
+        # syncs the host with an accelerator's stream
+        return torch.full((), math.inf if ord == -math.inf else 0.0, dtype=torch.float64,
+                          device=t.device)
     if ord == 0:
         count = torch.count_nonzero(t, dims).to(torch.float64)
         if keepdim and dims is not None:
@@ -189,8 +191,8 @@ def _foreach_norm(tensors, ord=2, dtype=None):
         some = [locals_[i] for i in computed]
         norms = dict(zip(computed, torch._foreach_norm(some, ord, dtype=dtype) if some else ()))
         values = [
-            norms[i] if i in norms else torch.tensor(
-                math.inf if ord < 0 else 0.0, dtype=dtype or t.dtype.to_real(), device=t.device
+            norms[i] if i in norms else torch.full(
+                (), math.inf if ord < 0 else 0.0, dtype=dtype or t.dtype.to_real(), device=t.device
             )
             for i, t in enumerate(tensors)
         ]

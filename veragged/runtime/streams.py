@@ -220,10 +220,11 @@ class DeferringStreams(Streams):
 class DeviceStreams(DeferringStreams):
     """CUDA-like devices: real high-priority side streams and events."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, module: Any = None):
         super().__init__()
         self.device = device
-        self.module = torch.get_device_module(device.type)
+        # torch.cuda (or the device type's module): Stream, Event, stream(), current_stream()
+        self.module = module if module is not None else torch.get_device_module(device.type)
         with self.module.device(device):
             self._streams = {r: self.module.Stream(priority=-1) for r in ROLES}
 
