@@ -39,6 +39,7 @@ TORCH_LIBRARY(veragged, m) {
   m.def("accumulate_(Tensor(a!) dst, Tensor src, float alpha=1.0) -> ()");
   m.def("scale_(Tensor(a!) dst, float alpha) -> ()");
   m.def("zero_ranges_(Tensor(a!) dst, int[] ranges) -> ()");
+  m.def("land_(Tensor(a!) dst, Tensor[] srcs, int[] pieces, float alpha=1.0) -> ()");
   // Host-side owner plan of distributed Muon, Shampoo and SOAP ([Note: matrix owner plan],
   // optim/owners.h): block b of the flattened row blocks belongs to the matrix its
   // blocks_per_matrix run covers; micro-group g is

@@ -73,6 +73,30 @@ void zero_ranges_cpu(at::Tensor& dst, c10::IntArrayRef ranges) {
   });
 }
 
+void land_cpu(at::Tensor& dst, at::TensorList srcs, c10::IntArrayRef pieces, double alpha) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "land_", [&] {
+    using dst_t = scalar_t;
+    dst_t* d = dst.data_ptr<dst_t>();
+    for (size_t p = 0; p < pieces.size(); p += 5) {
+      const at::Tensor& src = srcs[pieces[p]];
+      const int64_t s0 = pieces[p + 1], d0 = pieces[p + 2], n = pieces[p + 3];
+      const bool add = pieces[p + 4] != 0;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "land_", [&] {
+        using acc_t = LandAcc<dst_t, scalar_t>;
+        const acc_t a = static_cast<acc_t>(alpha);
+        const scalar_t* s = src.const_data_ptr<scalar_t>() + s0;
+        dst_t* out = d + d0;
+        at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+          for (int64_t i = b; i < e; ++i) {
+            const acc_t base = add ? static_cast<acc_t>(out[i]) : acc_t(0);
+            out[i] = static_cast<dst_t>(base + a * static_cast<acc_t>(s[i]));
+          }
+        });
+      });
+    }
+  });
+}
+
 namespace {
 
 constexpr DeviceKernels kCpuKernels{&cast_scale_cpu, &accumulate_cpu, &scale_cpu};
@@ -90,6 +114,11 @@ void zero_ranges_op(at::Tensor dst, c10::IntArrayRef ranges) {
   zero_ranges_cpu(dst, ranges);
 }
 
+void land_op(at::Tensor dst, at::TensorList srcs, c10::IntArrayRef pieces, double alpha) {
+  check_land(dst, srcs, pieces);
+  land_cpu(dst, srcs, pieces, alpha);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(veragged, CPU, m) {
@@ -97,6 +126,7 @@ TORCH_LIBRARY_IMPL(veragged, CPU, m) {
   m.impl("accumulate_", &accumulate_op);
   m.impl("scale_", &scale_op);
   m.impl("zero_ranges_", &zero_ranges_op);
+  m.impl("land_", &land_op);
 }
 
 }  // namespace veragged::dbuffer

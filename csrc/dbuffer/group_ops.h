@@ -10,6 +10,14 @@
 //   accumulate_(dst, src, alpha):   dst = cast<dst>(dst + alpha * src)  (src may be narrower)
 //   scale_(dst, alpha):             dst = cast<dst>(alpha * dst)
 //   zero_ranges_(dst, ranges):      dst[a_i:b_i] = 0 for every [a_i, b_i) in one launch
+//   land_(dst, srcs, pieces, alpha): for every piece (i, s, d, n, add) of `pieces` (five ints
+//                                   each): dst[d:d+n] = cast<dst>((add ? dst[d:d+n] : +0.0)
+//                                   + alpha * srcs[i][s:s+n]), in one launch: a group's
+//                                   gradients landing in its gradient buffer ([Note: gradient
+//                                   landing] in veragged/dbuffer/grads.py). It computes in the
+//                                   promoted type of dst and src (double if either is), as
+//                                   torch's `torch.add(zero, g, alpha=)` and `view.add_(g,
+//                                   alpha=)`; +0.0 + x is never -0.0.
 // Arithmetic is done in `acc_t` (float for half/bf16/float, double for double) with an explicit
 // multiply then add (no fused multiply-add), so CPU and CUDA round identically and match torch's
 // `dst.add_(src.to(dst.dtype), alpha=alpha)` for float32.
@@ -28,6 +36,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace veragged::dbuffer {
@@ -40,6 +49,11 @@ template <>
 struct AccType<double> {
   using type = double;
 };
+
+// land_'s computation type: the promoted type of dst and src (double if either is).
+template <typename A, typename B>
+using LandAcc = std::conditional_t<std::is_same_v<A, double> || std::is_same_v<B, double>,
+                                   double, float>;
 
 inline void check_flat(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
@@ -65,11 +79,42 @@ inline void check_ranges(c10::IntArrayRef ranges, int64_t numel) {
   }
 }
 
+// Validates land_'s arguments: five ints per piece, each piece inside its source and dst,
+// contiguous sources on dst's device, fused dtypes (float, double, half, bfloat16).
+inline void check_land(const at::Tensor& dst, at::TensorList srcs, c10::IntArrayRef pieces) {
+  check_flat(dst, "land_", "dst");
+  TORCH_CHECK_VALUE(pieces.size() % 5 == 0, "land_: pieces must hold (src, src_offset, "
+                    "dst_offset, count, add) tuples, got ", pieces.size(), " values");
+  auto fused = [](at::ScalarType t) {
+    return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+  };
+  TORCH_CHECK_VALUE(fused(dst.scalar_type()), "land_: dst must be float, double, half or "
+                    "bfloat16, got ", dst.scalar_type());
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    TORCH_CHECK_VALUE(srcs[i].is_contiguous(), "land_: srcs[", i, "] must be contiguous");
+    TORCH_CHECK_VALUE(srcs[i].device() == dst.device(), "land_: srcs[", i, "] is on ",
+                      srcs[i].device(), " but dst is on ", dst.device());
+    TORCH_CHECK_VALUE(fused(srcs[i].scalar_type()), "land_: srcs[", i, "] must be float, "
+                      "double, half or bfloat16, got ", srcs[i].scalar_type());
+  }
+  for (size_t p = 0; p < pieces.size(); p += 5) {
+    const int64_t i = pieces[p], s = pieces[p + 1], d = pieces[p + 2], n = pieces[p + 3];
+    TORCH_CHECK_VALUE(0 <= i && i < static_cast<int64_t>(srcs.size()), "land_: piece ", p / 5,
+                      " names srcs[", i, "] of ", srcs.size());
+    TORCH_CHECK_VALUE(n >= 0 && 0 <= s && s + n <= srcs[i].numel() && 0 <= d &&
+                          d + n <= dst.numel(),
+                      "land_: piece ", p / 5, " = (src ", i, ", at ", s, ", dst at ", d, ", ", n,
+                      " elements) is outside srcs[", i, "] (", srcs[i].numel(),
+                      " elements) or dst (", dst.numel(), ")");
+  }
+}
+
 // Kernels per device (group_ops.cpp, cuda/group_ops.cu).
 void cast_scale_cpu(at::Tensor& dst, const at::Tensor& src, double alpha);
 void accumulate_cpu(at::Tensor& dst, const at::Tensor& src, double alpha);
 void scale_cpu(at::Tensor& dst, double alpha);
 void zero_ranges_cpu(at::Tensor& dst, c10::IntArrayRef ranges);
+void land_cpu(at::Tensor& dst, at::TensorList srcs, c10::IntArrayRef pieces, double alpha);
 
 // One device's fused kernels. They take contiguous tensors of equal numel on the device, with
 // dtypes among float, double, half and bfloat16.

@@ -182,3 +182,69 @@ def test_fake_kernels_pass_opcheck_for_other_dtypes():
     z = torch.randn(64, dtype=torch.complex64)
     torch.library.opcheck(torch.ops.veragged.accumulate_.default, (z.clone(), z, 2.0))
     torch.library.opcheck(torch.ops.veragged.scale_.default, (z.clone(), 3.0))
+
+
+def _land_reference(dst, srcs, pieces, alpha):
+    """torch's ops, piece by piece: what the landing did before land_ ([Note: gradient
+    landing]): `torch.add(+0.0, g, alpha=, out=view)` first, `view.add_(g, alpha=)` after."""
+    zero = torch.zeros((), dtype=dst.dtype)
+    for k in range(0, len(pieces), 5):
+        i, s, d, n, add = pieces[k : k + 5]
+        view, g = dst[d : d + n], srcs[i][s : s + n]
+        if add:
+            view.add_(g, alpha=alpha)
+        else:
+            torch.add(zero, g, alpha=alpha, out=view)
+
+
+def _land_case(dst_dtype, src_dtypes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sizes = [1, 7, 1000, 40_003, 3]
+    srcs = [torch.randn(n, generator=g).to(src_dtypes[j % len(src_dtypes)])
+            for j, n in enumerate(sizes)]
+    srcs[0].fill_(-0.0)  # +0.0 + (-0.0) is +0.0: a landed zero is never -0.0
+    # pieces at odd offsets, one source split in two, some adding to what is there
+    pieces = [0, 0, 5, 1, 0,  1, 0, 11, 7, 1,  2, 0, 20, 1000, 0,  3, 0, 1100, 20_000, 0,
+              3, 20_000, 30_001, 20_003, 1,  4, 1, 60_010, 2, 0]
+    dst = torch.randn(60_100, generator=g).to(dst_dtype)
+    return dst, srcs, pieces
+
+
+@pytest.mark.parametrize("dst_dtype", FLOATS)
+@pytest.mark.parametrize("src_dtypes", [(torch.float32,), (torch.bfloat16,), (torch.float64,),
+                                        (torch.float16, torch.float32)])
+@pytest.mark.parametrize("alpha", [1.0, 0.25])
+def test_land_matches_torchs_adds_bit_for_bit(dst_dtype, src_dtypes, alpha):
+    dst, srcs, pieces = _land_case(dst_dtype, src_dtypes)
+    want = dst.clone()
+    _land_reference(want, srcs, pieces, alpha)
+    ops.land_(dst, srcs, pieces, alpha)
+    assert torch.equal(dst, want)
+    assert not torch.signbit(dst[5]) and dst[5] == 0  # the landed -0.0
+
+
+def test_land_bad_input_raises_value_error():
+    dst, src = torch.zeros(10), torch.zeros(4)
+    with pytest.raises(ValueError, match=r"pieces must hold .* got 4 values"):
+        ops.land_(dst, [src], [0, 0, 0, 4])
+    with pytest.raises(ValueError, match=r"piece 0 names srcs\[1\] of 1"):
+        ops.land_(dst, [src], [1, 0, 0, 4, 0])
+    with pytest.raises(ValueError, match=r"piece 1 = \(src 0, at 2, dst at 0, 4 elements\) is "
+                                         r"outside srcs\[0\] \(4 elements\) or dst \(10\)"):
+        ops.land_(dst, [src], [0, 0, 0, 4, 0, 0, 2, 0, 4, 0])
+    with pytest.raises(ValueError, match=r"srcs\[0\] must be contiguous"):
+        ops.land_(dst, [torch.zeros(4, 2).t()], [0, 0, 0, 4, 0])
+    with pytest.raises(ValueError, match="must be float, double, half or bfloat16"):
+        ops.land_(dst, [torch.zeros(4, dtype=torch.int32)], [0, 0, 0, 4, 0])
+    torch.library.opcheck(torch.ops.veragged.land_.default,
+                          (torch.zeros(10), [torch.randn(4)], [0, 0, 3, 4, 0], 0.5))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU check)")
+@pytest.mark.parametrize("dst_dtype", FLOATS)
+def test_land_cuda_equals_its_cpu_twin(dst_dtype):
+    dst, srcs, pieces = _land_case(dst_dtype, (torch.bfloat16, torch.float32), seed=3)
+    cuda = dst.cuda()
+    ops.land_(cuda, [s.cuda() for s in srcs], pieces, 0.5)
+    ops.land_(dst, srcs, pieces, 0.5)
+    assert torch.equal(cuda.cpu(), dst)

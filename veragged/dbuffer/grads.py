@@ -3,25 +3,25 @@ reduce-scatter and the sharded gradients it writes.
 
 [Note: gradient landing]
 Backward does not write into a zeroed buffer through autograd's accumulation (a zero pass, then
-a read-add-write per element). Each unsharded parameter's `.grad` stays None; when autograd has
-stored a gradient, a post-accumulate-grad hook (`ParamGroup`) hands it to `land_grad`, which
-writes the parameter's range of the gradient buffer once (`+0.0 + scale * g`) or, for a later
-gradient before the buffer is reduced (a module used twice, no-sync micro-batches), adds it in,
-and drops `.grad` again. The buffer has the reduce dtype, so the cast to it happens in that same
-write. `scale` is 1/world (HSDP: 1/(shard x replicate); or 1/divide_factor) when that is a power
-of two: multiplying by it before the SUM gives exactly the bits of dividing after it (short of
-subnormals), so the reduce-scatter can write the sharded gradients directly, with no pass of its
-own. Autograd's first gradient is stored without a copy, so a parameter's gradient costs one
-write, as FSDP2's copy into its reduce-scatter input does. Ranges no gradient landed in (frozen
-and unreached parameters, padding) are zeroed by one launch (`complete_grads`) before the buffer
-is read.
+a read-add-write per element). Autograd stores each unsharded parameter's gradient in its
+`.grad` (the first without a copy; a module used twice adds the second, as with torch's FSDP2),
+and the group's post-backward hands them all to `land_grads`, which writes each parameter's
+range once (`+0.0 + scale * g`) or, when the buffer already holds an earlier gradient (no-sync
+micro-batches, a second post-backward before the reduction), adds it in, in one `land_` launch
+for the group (FSDP2's copy-in is one `chunk_cat` per group), and drops the `.grad`s. The buffer
+has the reduce dtype, so the cast to it happens in that same write. `scale` is 1/world (HSDP:
+1/(shard x replicate); or 1/divide_factor) when that is a power of two: multiplying by it before
+the SUM gives exactly the bits of dividing after it (short of subnormals), so the reduce-scatter
+can write the sharded gradients directly, with no pass of its own. So a parameter's gradient
+costs one write, as FSDP2's copy into its reduce-scatter input does, and no hook of its own.
+Ranges no gradient landed in (frozen and unreached parameters, padding) are zeroed by one launch
+(`complete_grads`) before the buffer is read.
 The gradient buffer is the reduce-scatter's input, rank-major with a slot of `S + F` elements per
 rank: the S gradient elements of rank r's shard, then F verdict flags ([Note: unreached
 parameters]; F = 0 on a mesh of one rank). A parameter that crosses a shard boundary is therefore
-not one contiguous range of it: it lands in pieces, at most three writes (the part in its first
-slot, the whole slots after it as one 2-D view, the part in its last slot); one inside a slot
-(most parameters) lands in one. (`ChunkedDBuffer` lands gradients in the full layout and adds
-the flags in its rank-major copy.)
+not one contiguous range of it: it lands in pieces (one per slot it crosses, all in the same
+`land_` launch); one inside a slot (most parameters) is one piece. (`ChunkedDBuffer` lands
+gradients in the full layout and adds the flags in its rank-major copy.)
 
 [Note: unreached parameters]
 A parameter that no rank's backward reached keeps `.grad = None` (torch's FSDP2 leaves it out of
@@ -106,7 +106,7 @@ class GradientPath(GradientLayout):
 
     def alloc_unsharded_grads(self, scale: float = 1.0) -> None:
         """Allocate the gradient buffer (the reduce dtype), unzeroed: gradients land by
-        `land_grad`, multiplied by `scale` (see `landing_scale`), and the rest is zeroed by
+        `land_grads`, multiplied by `scale` (see `landing_scale`), and the rest is zeroed by
         `complete_grads` ([Note: gradient landing])."""
         self.rt.alloc(self.key("grads"), self._grads)
         self._landed = [False] * len(self.entries)
@@ -126,14 +126,49 @@ class GradientPath(GradientLayout):
             return 1.0
         return 1.0 / factor
 
-    def land_grad(self, i: int, grad: torch.Tensor) -> None:
-        """Write (first gradient since allocation) or add `grad` into tensor `i`'s range."""
+    def land_grads(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Land each `(i, grad)`: write (first gradient since allocation) or add it into
+        tensor i's range, all in one `land_` launch ([Note: gradient landing])."""
+        if not grads:
+            return
+        if any(self._pieces[i] is None for i, _ in grads):  # frozen when the layout was made
+            room = {i for i, _ in grads}
+            self.set_grad_layout([m or j in room for j, m in enumerate(self._grad_mask)],
+                                 self._grad_flags)
+        if self._grads.dtype not in ops.LAND_DTYPES:
+            for i, g in grads:
+                self.land_grad(i, g)
+            return
+        srcs: list[torch.Tensor] = []
+        pieces: list[int] = []
+        starts = self._grad_starts
+        for i, grad in grads:
+            spmd = self.entries[i].spmd
+            if spmd is not None:  # a DTensor on the TP mesh: [Note: FSDP over TP]
+                grad = spmd.local_grad(grad)
+            if grad.dtype not in ops.LAND_DTYPES:  # complex, float8: torch's adds
+                self.land_grad(i, grad, local=True)
+                continue
+            j, a, add = len(srcs), 0, int(self._landed[i])
+            srcs.append(grad.contiguous().view(-1))
+            for r, off, k in self._grad_slots[i]:
+                pieces += (j, a, starts[r] + off, k, add)
+                a += k
+            self._landed[i] = True
+        if srcs:
+            self.rt.write(self.key("grads"))
+            ops.land_(self._grads, srcs, pieces, self._land_scale)
+
+    def land_grad(self, i: int, grad: torch.Tensor, local: bool = False) -> None:
+        """Write (first gradient since allocation) or add `grad` into tensor `i`'s range, by
+        torch's ops (`land_grads` lands several in one launch); `local`: a TP gradient already
+        made local."""
         if self._pieces[i] is None:  # frozen when the layout was made, yet it has a gradient
             self.set_grad_layout([m or j == i for j, m in enumerate(self._grad_mask)],
                                  self._grad_flags)
         pieces = self._pieces[i]
         spmd = self.entries[i].spmd
-        if spmd is not None:  # a DTensor on the TP mesh: [Note: FSDP over TP]
+        if spmd is not None and not local:  # a DTensor on the TP mesh: [Note: FSDP over TP]
             grad = spmd.local_grad(grad)
         if pieces[0][0] is None:  # in one slot
             parts = [(pieces[0][2], grad)]
@@ -195,7 +230,7 @@ class GradientPath(GradientLayout):
 
     def zero_unsharded_grads(self) -> None:
         """Allocate and zero the gradient buffer (one launch): every tensor counts as landed,
-        so `land_grad` adds into it."""
+        so `land_grads` adds into it."""
         self.rt.alloc(self.key("grads"), self._grads)
         ops.zero_ranges_(self._grads, [(0, self._grads.numel())])
         self._landed = [True] * len(self.entries)

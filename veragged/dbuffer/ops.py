@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["accumulate_", "cast_scale_", "scale_", "zero_ranges_"]
+__all__ = ["accumulate_", "cast_scale_", "land_", "scale_", "zero_ranges_"]
 
 
 def _check_pair(op: str, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -70,6 +70,22 @@ def _zero_ranges_fake(dst, ranges):
         )
 
 
+LAND_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+@torch.library.register_fake("veragged::land_")
+def _land_fake(dst, srcs, pieces, alpha=1.0):
+    if not dst.is_contiguous():
+        raise ValueError("land_: dst must be contiguous")
+    if len(pieces) % 5:
+        raise ValueError("land_: pieces must hold (src, src_offset, dst_offset, count, add) "
+                         f"tuples, got {len(pieces)} values")
+    for t in (dst, *srcs):
+        if t.dtype not in LAND_DTYPES:
+            raise ValueError(f"land_: dst and srcs must be float, double, half or bfloat16, "
+                             f"got {t.dtype}")
+
+
 def cast_scale_(dst: torch.Tensor, src: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     """`dst = (alpha * src).to(dst.dtype)` in one pass; returns `dst`.
 
@@ -94,4 +110,13 @@ def scale_(dst: torch.Tensor, alpha: float) -> torch.Tensor:
 def zero_ranges_(dst: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
     """Zero the flat ranges `[begin, end)` of `dst` in one launch; returns `dst`."""
     torch.ops.veragged.zero_ranges_(dst, [int(x) for r in ranges for x in r])
+    return dst
+
+
+def land_(dst: torch.Tensor, srcs: Sequence[torch.Tensor], pieces: Sequence[int],
+          alpha: float = 1.0) -> torch.Tensor:
+    """For each piece (i, s, d, n, add) of `pieces` (five ints each):
+    `dst[d:d+n] = (dst[d:d+n] if add else +0.0) + alpha * srcs[i][s:s+n]`, cast to dst's dtype,
+    in one launch (the gradient landing of [Note: gradient landing]); returns `dst`."""
+    torch.ops.veragged.land_(dst, list(srcs), [int(x) for x in pieces], alpha)
     return dst

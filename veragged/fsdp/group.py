@@ -7,7 +7,6 @@ A `fully_shard` call makes one `ParamGroup` per parameter dtype (one DBuffer eac
 from __future__ import annotations
 
 import enum
-import weakref
 
 import torch
 import torch.nn as nn
@@ -71,7 +70,6 @@ class ParamGroup:
             nn.Parameter(v if view is None else view.unsharded(v), requires_grad=p.requires_grad)
             for v, p, view in zip(self.buffer.unsharded_params, self.sharded, self.views)
         ]
-        self._hooked: set[int] = set()  # unsharded parameters with the has-grad hook
         for u in self.unsharded:
             self._set_grad_dtype(u)
         for p in self.sharded:  # autograd never accumulates into them: no ragged hooks, so no
@@ -94,7 +92,6 @@ class ParamGroup:
             if u is not self.unsharded[i] and not u.is_meta:
                 self._set_grad_dtype(u)
                 self.unsharded[i] = u
-                self._hooked.discard(i)
 
     def _refuse_late_hooks(self) -> None:
         """Hooks on a flat DBuffer parameter's local tensor that lazy init did not take
@@ -241,34 +238,10 @@ class ParamGroup:
 
     # --- backward ----------------------------------------------------------------------------
 
-    def _land_grad(self, i: int):
-        # A weak reference: the hook hangs off the parameter's C++ side, which the collector
-        # cannot see, so a strong one (group -> parameter -> hook -> group) kept every model
-        # that ran a backward alive, and with it its DBuffers' process groups.
-        ref = weakref.ref(self)
-
-        def hook(param: torch.Tensor) -> None:
-            group = ref()
-            if group is None:
-                return
-            grad, param.grad = param.grad, None
-            if grad is None:
-                return
-            if not group._grads_live or not group.buffer.grads_allocated:
-                # A gradient outside this group's backward (a user's own autograd.grad or a
-                # backward after post-backward ran): as torch's FSDP2, it is not reduced.
-                param.grad = grad
-                return
-            view = group.views[i]
-            group.buffer.land_grad(i, grad if view is None else view.local_grad(grad))
-            group._has_grad[i] = True
-
-        return hook
-
     def pre_backward(self) -> None:
-        """Unshard and make the gradient buffer ready: each trainable unsharded parameter's
-        gradient lands in it from a post-accumulate-grad hook ([Note: gradient landing]),
-        which also records which parameters this rank's backward reached."""
+        """Unshard and make the gradient buffer ready: the post-backward lands the gradients
+        autograd stored on the unsharded parameters in it ([Note: gradient landing]); which
+        ones it found is which parameters this rank's backward reached."""
         if self.training_state == TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
@@ -276,6 +249,11 @@ class ParamGroup:
             self.unshard()
         if not any(p.requires_grad for p in self.sharded):
             return
+        self._prepare_grads()
+
+    def _prepare_grads(self) -> None:
+        """The gradient buffer, laid out for what requires grad now, allocated unless it holds
+        gradients still to be reduced."""
         # A module run more than once in forward has one backward per run: the reduce-scatter
         # of an earlier one still reads the gradient buffer this one is about to zero.
         self.finish_reduce()
@@ -291,10 +269,22 @@ class ParamGroup:
                                               allowed=self.all_reduce_hook is None)
             self.buffer.alloc_unsharded_grads(scale)
             self._grads_live = True
-        for i, u in enumerate(self.unsharded):
-            if u.requires_grad and i not in self._hooked:
-                u.register_post_accumulate_grad_hook(self._land_grad(i))
-                self._hooked.add(i)
+
+    def _land(self) -> None:
+        """Land the gradients autograd stored on the unsharded parameters, in one launch
+        ([Note: gradient landing]), and note which parameters they reached."""
+        found = [(i, u.grad) for i, u in enumerate(self.unsharded) if u.grad is not None]
+        if not found:
+            return
+        if not self._grads_live or not self.buffer.grads_allocated:
+            self._prepare_grads()  # a group whose pre-backward did not run (torch reduces it)
+        grads = []
+        for i, g in found:
+            self.unsharded[i].grad = None
+            view = self.views[i]
+            grads.append((i, g if view is None else view.local_grad(g)))
+            self._has_grad[i] = True
+        self.buffer.land_grads(grads)
 
     def post_backward(self, ctx) -> None:
         """Reduce this backward's gradients (or keep them, without gradient sync) and reshard.
@@ -311,9 +301,7 @@ class ParamGroup:
             return
         self.training_state = TrainingState.POST_BACKWARD
         self._computed()
-        if state == TrainingState.PRE_BACKWARD:
-            for u in self.unsharded:
-                u.grad = None
+        self._land()
         if self._grads_live and self.reduce_grads:  # else no-sync: they stay and accumulate
             self._launch_reduce(ctx)
         if self.reshard_after_backward and self.is_unsharded:  # a prefetch stays in flight

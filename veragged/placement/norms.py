@@ -190,12 +190,17 @@ def _foreach_norm(tensors, ord=2, dtype=None):
         computed = [i for i, t in enumerate(tensors) if locals_[i].numel() or not t.numel()]
         some = [locals_[i] for i in computed]
         norms = dict(zip(computed, torch._foreach_norm(some, ord, dtype=dtype) if some else ()))
-        values = [
-            norms[i] if i in norms else torch.full(
-                (), math.inf if ord < 0 else 0.0, dtype=dtype or t.dtype.to_real(), device=t.device
-            )
-            for i, t in enumerate(tensors)
-        ]
+        # The identities: one fill per (dtype, device), unbound into 0-dim views (one launch,
+        # and no copy from host memory, where a device would sync)
+        empty: dict = {}
+        for i, t in enumerate(tensors):
+            if i not in norms:
+                empty.setdefault((dtype or t.dtype.to_real(), t.device), []).append(i)
+        for (dt, device), idx in empty.items():
+            filled = torch.full((len(idx),), math.inf if ord < 0 else 0.0, dtype=dt,
+                                device=device)
+            norms.update(zip(idx, filled.unbind()))
+        values = [norms[i] for i in range(len(tensors))]
     out = []
     specs = _NORM_SPECS
     for t, value in zip(tensors, values):

@@ -86,7 +86,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["CopyCounter", "FSDPPaths", "WriteCounter"]
+__all__ = ["CopyCounter", "FSDPPaths", "LaunchCounter", "WriteCounter"]
 
 COLLECTIVE_NAMESPACES = frozenset(
     {"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"}
@@ -264,6 +264,38 @@ class WriteCounter(TorchDispatchMode):
                  for (b, op, site), n in sorted(self.ops.items(), key=lambda kv: -kv[1])]
         lines.append("  ".join(f"{b}={n:,d}" for b, n in sorted(self.buckets.items())))
         return "\n".join(lines)
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts the ops that would launch a kernel on a device, per (phase, where): every
+    dispatched op except views, metadata changes and bare allocations, below the tensor-subclass
+    layer (a DTensor's local ops); `where` is "fsdp" when FSDP's own code issued it (`FSDPPaths`:
+    its parameter or gradient path, or other FSDP code), else "rest"; collectives are counted
+    apart as "colls". Set `phase` to label what follows."""
+
+    def __init__(self):
+        super().__init__()
+        self.paths = FSDPPaths()
+        self.phase = ""
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(is_traceable_wrapper_subclass(t) for t in _tensors((args, kwargs))):
+            return NotImplemented  # counted on the local tensors
+        out = func(*args, **kwargs)
+        namespace, name = func._schema.name.split("::")
+        if namespace in COLLECTIVE_NAMESPACES:
+            self.counts[(self.phase, "colls")] += 1
+            return out
+        returns = func._schema.returns
+        view = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write
+                                     for r in returns)
+        if view or name in METADATA_ONLY or name in ALLOCATIONS:
+            return out
+        bucket, _ = self.paths(func, [t for t in _tensors(out) if _real(t)])
+        self.counts[(self.phase, "rest" if bucket == REST else "fsdp")] += 1
+        return out
 
 
 class FSDPPaths:

@@ -10,6 +10,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
+#include <vector>
 
 namespace veragged::dbuffer {
 namespace {
@@ -65,6 +67,65 @@ __global__ void zero_ranges_kernel(unsigned char* base, int64_t item, Ranges r) 
   const int64_t lo = r.begin[blockIdx.y] * item, hi = r.end[blockIdx.y] * item;
   for (int64_t i = lo + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < hi; i += int64_t(gridDim.x) * blockDim.x)
     base[i] = 0;
+}
+
+// land_: one task per block, each at most kLandChunk elements of one piece, described by four
+// int64s (source address, dst offset, count, add) that reach the device in one non-blocking
+// copy from pinned memory (the caching host allocator keeps the host buffer until it ran).
+constexpr int64_t kLandChunk = 1 << 14;
+
+template <typename dst_t, typename src_t>
+__global__ void land_kernel(dst_t* d, const int64_t* tasks, double alpha) {
+  using acc_t = LandAcc<dst_t, src_t>;
+  const acc_t a = static_cast<acc_t>(alpha);
+  const int64_t* t = tasks + 4 * int64_t(blockIdx.x);
+  const src_t* s = reinterpret_cast<const src_t*>(t[0]);
+  dst_t* out = d + t[1];
+  const int64_t n = t[2];
+  const bool add_to = t[3] != 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const acc_t base = add_to ? static_cast<acc_t>(out[i]) : acc_t(0);
+    out[i] = static_cast<dst_t>(add(base, mul(a, static_cast<acc_t>(s[i]))));
+  }
+}
+
+void land_cuda(at::Tensor& dst, at::TensorList srcs, c10::IntArrayRef pieces, double alpha) {
+  const c10::cuda::CUDAGuard guard(dst.device());
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  // One launch per source dtype (a group's gradients share one, so usually one launch).
+  std::vector<at::ScalarType> dtypes;
+  for (const at::Tensor& t : srcs)
+    if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) == dtypes.end())
+      dtypes.push_back(t.scalar_type());
+  for (at::ScalarType dtype : dtypes) {
+    std::vector<int64_t> tasks;
+    for (size_t p = 0; p < pieces.size(); p += 5) {
+      const at::Tensor& src = srcs[pieces[p]];
+      if (src.scalar_type() != dtype) continue;
+      const int64_t item = src.element_size();
+      const auto base = reinterpret_cast<int64_t>(src.const_data_ptr());
+      for (int64_t k = 0; k < pieces[p + 3]; k += kLandChunk) {
+        tasks.push_back(base + (pieces[p + 1] + k) * item);
+        tasks.push_back(pieces[p + 2] + k);
+        tasks.push_back(std::min(kLandChunk, pieces[p + 3] - k));
+        tasks.push_back(pieces[p + 4]);
+      }
+    }
+    const int64_t count = static_cast<int64_t>(tasks.size() / 4);
+    if (count == 0) continue;
+    at::Tensor host = at::empty({static_cast<int64_t>(tasks.size())},
+                                at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    std::memcpy(host.data_ptr(), tasks.data(), tasks.size() * sizeof(int64_t));
+    const at::Tensor table = host.to(dst.device(), /*non_blocking=*/true);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "land_", [&] {
+      using dst_t = scalar_t;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "land_", [&] {
+        land_kernel<dst_t, scalar_t><<<static_cast<unsigned>(count), kThreads, 0, stream>>>(
+            dst.data_ptr<dst_t>(), table.const_data_ptr<int64_t>(), alpha);
+      });
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 template <typename Launch>
@@ -146,6 +207,11 @@ void zero_ranges_op(at::Tensor dst, c10::IntArrayRef ranges) {
   }
 }
 
+void land_op(at::Tensor dst, at::TensorList srcs, c10::IntArrayRef pieces, double alpha) {
+  check_land(dst, srcs, pieces);
+  land_cuda(dst, srcs, pieces, alpha);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(veragged, CUDA, m) {
@@ -153,6 +219,7 @@ TORCH_LIBRARY_IMPL(veragged, CUDA, m) {
   m.impl("accumulate_", &accumulate_op);
   m.impl("scale_", &scale_op);
   m.impl("zero_ranges_", &zero_ranges_op);
+  m.impl("land_", &land_op);
 }
 
 }  // namespace veragged::dbuffer
