@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU check, in one command, on a machine with a CUDA device (see README, "The GPU check"):
+#   1. the CUDA build of veragged._C (scripts/install.sh; fails if no CUDA kernel was built),
+#   2. the GoogleTests (CMake/CTest),
+#   3. every CUDA kernel against its CPU twin (tests/cuda/test_kernels_cuda.py), also under
+#      compute-sanitizer memcheck when it is installed,
+#   4. fully_shard on one GPU with NCCL: bitwise against torch's fully_shard, side streams used,
+#      no host sync in a step (tests/cuda/test_fully_shard_cuda.py),
+#   5. the CPU-side proofs the GPU design rests on (tests/runtime: happens-before orderings,
+#      host syncs, launch counts),
+#   6. benchmarks/host_work.py (launches and host time per phase vs torch).
+# Prints one line per stage (PASS/FAIL, seconds) and a summary table naming the device; exits
+# non-zero if any stage failed. Without a CUDA device it says so and exits 2.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${GPU_CHECK_OUT:-build/gpu-check}
+mkdir -p "$OUT"
+
+device=$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' 2>/dev/null)
+if [[ -z "$device" ]]; then
+  echo "gpu_check: no CUDA device visible to torch (torch.cuda.is_available() is False)" >&2
+  exit 2
+fi
+echo "gpu_check on: $device ($(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1) driver)"
+
+declare -a rows
+status=0
+stage() {  # stage NAME COMMAND...: run, log to $OUT/NAME.log, record PASS/FAIL and seconds
+  local name=$1; shift
+  local t0=$SECONDS
+  if "$@" >"$OUT/$name.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
+  rows+=("| $name | $r | $((SECONDS - t0)) s | $(tail -1 "$OUT/$name.log" | cut -c1-90) |")
+  echo "$name: $r ($((SECONDS - t0)) s; log $OUT/$name.log)"
+}
+
+stage build bash -c "bash scripts/install.sh && $PY -c 'import torch, veragged; \
+  assert torch._C._dispatch_has_kernel_for_dispatch_key(\"veragged::land_\", \"CUDA\"), \
+  \"veragged._C was built without its CUDA kernels\"; print(\"CUDA kernels registered\")'"
+stage cpp bash -c "cmake -S tests/cpp -B build/cpp-tests -DCMAKE_BUILD_TYPE=Release >/dev/null \
+  && cmake --build build/cpp-tests -j \$(nproc) >/dev/null \
+  && ctest --test-dir build/cpp-tests --output-on-failure --timeout 300"
+stage kernels "$PY" -m pytest -q tests/cuda/test_kernels_cuda.py
+if command -v compute-sanitizer >/dev/null; then
+  stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 \
+    "$PY" -m pytest -q -x tests/cuda/test_kernels_cuda.py -k "land or zero_ranges or multi_step"
+else
+  rows+=("| sanitizer | SKIPPED | 0 s | compute-sanitizer not installed |")
+fi
+stage fully_shard "$PY" -m pytest -q tests/cuda/test_fully_shard_cuda.py
+stage runtime "$PY" -m pytest -q tests/runtime
+stage host_work "$PY" benchmarks/host_work.py
+
+echo
+echo "GPU check on $device, commit $(git rev-parse --short HEAD 2>/dev/null), $(date -u +%F)"
+echo "| stage | result | time | last line |"
+echo "|---|---|---|---|"
+printf '%s\n' "${rows[@]}"
+exit $status
