@@ -4,8 +4,8 @@ veragged/runtime/streams.py; the checker: veragged/testing/hb.py).
 The training loops run under the happens-before recorder, whose virtual streams order work as an
 accelerator's would. For each loop (1-D, mixed precision, HSDP, no reshard after forward,
 `reshard_after_forward=2`, no-sync accumulation, activation checkpointing, CPU offload, two
-forwards before one backward, frozen and unused modules, a custom reduce-scatter comm, FSDP over
-TP on a dp x tp mesh, expert parallelism) the tests
+forwards before one backward, frozen and unused modules, a custom reduce-scatter comm, torch's
+Shard(1) chunks, FSDP over TP on a dp x tp mesh, expert parallelism) the tests
 assert that
   (a) no buffer is read on one stream before the write that produced it on another is ordered
       before the read by an event or stream wait,
@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint
 
 import veragged
@@ -71,6 +72,8 @@ def _build(variant: str) -> nn.Module:
         kw["reshard_after_forward"] = False
     if variant == "reshard_to_2":
         kw["reshard_after_forward"] = 2
+    if variant == "chunked":  # torch's Shard(1) chunks: gathered, then copied into place
+        kw["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 else None
     if variant == "offload":
         kw["offload_policy"] = CPUOffloadPolicy()
     if variant == "frozen_unused":
@@ -260,6 +263,7 @@ VARIANTS = {  # variant: (world, mesh kwargs)
     "two_forwards": (2, {}),
     "frozen_unused": (2, {}),
     "custom_rs": (2, {}),
+    "chunked": (2, {}),
     "tp": (4, {}),  # the model makes its own meshes
     "ep": (4, {}),
 }

@@ -471,17 +471,18 @@ class DBuffer(GradientPath):
             else:
                 ops.cast_scale_(source, self.shard, 1.0)
         reads = (self.key("kept"),) if source is self._gather_keep else (self.key("shard"),)
+        written = self.key("unsharded") if out is self._unsharded else self.key("gathered")
         if self.world == 1:  # nothing to gather: the shard is the whole buffer
             if source is self.shard:
                 ops.cast_scale_(out, self.shard, 1.0)
-            rt.launch("copy", reads=reads, writes=(self.key("unsharded"),))
+            rt.launch("copy", reads=reads, writes=(written,))
             self._gather_handle = rt.launched(None)  # `wait_unshard` finishes it
         else:
             # As bytes by default, as torch's FSDP2 does: every parameter dtype (float8, uint16,
             # ...) moves, whatever dtypes the backend reduces (gloo refuses several).
             work = comms.all_gather(comm, dest, source, group)
-            staged = self.key("staged") if comm is not None else self.key("unsharded")
-            rt.launch("all_gather", reads=reads, writes=(staged,))
+            rt.launch("all_gather", reads=reads,
+                      writes=(self.key("staged") if comm is not None else written,))
             self._gather_handle = rt.launched(work)
             self._gather_stage = None if comm is None else (dest, out)
 
@@ -500,7 +501,8 @@ class DBuffer(GradientPath):
         self.rt.completed(handle)
         self._gather_keep = None
         if stage is not None:  # the comm's staging buffer: [Note: custom comms]
-            self.rt.launch("copy", reads=(self.key("staged"),), writes=(self.key("unsharded"),))
+            written = self.key("unsharded") if stage[1] is self._unsharded else self.key("gathered")
+            self.rt.launch("copy", reads=(self.key("staged"),), writes=(written,))
             with torch.no_grad():
                 stage[1].copy_(stage[0])
             self.rt.release(self.key("staged"), stage[0], self._unsharded_stream, "drop")

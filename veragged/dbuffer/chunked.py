@@ -113,11 +113,14 @@ class ChunkedDBuffer(DBuffer):
 
     def _finish_gather(self) -> None:
         gathered, self._gathered = self._gathered, None
+        self.rt.launch("copy", reads=(self.key("gathered"),), writes=(self.key("unsharded"),))
         with torch.no_grad():
             for e, chunk in zip(self.entries, self._chunks):
                 self._full(self._unsharded, e, chunk).copy_(
                     self._slots(gathered, e, chunk).permute(1, 0, 2, 3)
                 )
+        # made on the all-gather stream, read here on the current one: [Note: streams and events]
+        self.rt.release(self.key("gathered"), gathered, self._unsharded_stream, "drop")
         super()._finish_gather()
 
     def _rank_major(self, full: torch.Tensor, slot: int | None = None) -> torch.Tensor:

@@ -134,10 +134,10 @@ class ParamGroup:
             if not self.buffer.MAKES_UNSHARDED:
                 self._refuse_late_hooks()
             # Memory released to the all-gather stream returns first; in forward the block
-            # computed last stays, so this all-gather does not wait for its compute.
+            # computed last stays (held), so this all-gather does not wait for its compute.
             rt = self.buffer.rt
             rt.reclaim(rt.stream("all_gather"),
-                       keep=1 if self.training_state == TrainingState.FORWARD else 0)
+                       keep_held=self.training_state == TrainingState.FORWARD)
             self.buffer.unshard(async_op=True)
         if not async_op:
             self.wait_for_unshard()

@@ -308,6 +308,7 @@ class FSDPState:
         # A forward inside backward is a recomputation (reentrant activation checkpointing):
         # its parameters stay unsharded for the backward that follows, as with torch.
         in_backward = torch._C._current_graph_task_id() != -1
+        self.ctx.streams.hold_from_here()  # this block's releases: [Note: streams and events]
         for g in self.groups:
             g.post_forward(self.ctx.post_forward_order, reshard=not in_backward)
         self._hook_pre_backward(output)

@@ -27,9 +27,10 @@ they do (`use`, `record`, `wait`, `launch`, `read`, `write`, `release`):
   with an event the compute stream records after its last consumer was queued; its storage is
   freed only when its side stream next allocates (`reclaim`), after that stream waited for the
   event, so the caching allocator can hand the block to that stream's next allocation and no
-  other stream can still be reading it. In forward the most recent release stays pending (the
-  block just computed): the next all-gather then waits only for the block before it, so at most
-  two unsharded groups are alive, as FSDP2's all-gather state keeps them. A buffer allocated on
+  other stream can still be reading it. In forward the releases of the state whose forward
+  ended last stay pending (`hold_from_here` at its post-forward: the block just computed, all its
+  groups): the next all-gather then waits only for the block before it, so at most two blocks'
+  unsharded groups are alive, as FSDP2's all-gather state keeps them. A buffer allocated on
   the stream that releases it is freed at once (stream order protects it).
 - No host sync: events and stream waits only; collectives are launched `async_op=True` and on an
   accelerator their work is waited for inside the launching stream right away (a stream wait,
@@ -162,9 +163,14 @@ class Streams:
         if mode != "keep":
             self.free(key, tensor if mode == "free" else None)
 
-    def reclaim(self, stream: Any, keep: int = 0) -> None:
-        """Free the buffers released to `stream` but the `keep` newest, after `stream` waited
-        for their consumers."""
+    def hold_from_here(self) -> None:
+        """Releases from now on are the block that is finishing its forward: `reclaim(...,
+        keep_held=True)` leaves them pending (the next all-gather must not wait for its
+        compute)."""
+
+    def reclaim(self, stream: Any, keep_held: bool = False) -> None:
+        """Free the buffers released to `stream` (but those held, with `keep_held`), after
+        `stream` waited for their consumers."""
 
     def reclaim_key(self, key: Hashable) -> None:
         """Buffer `key` is about to be used again: finish its pending release first."""
@@ -179,27 +185,34 @@ class DeferringStreams(Streams):
     side_streams = True
 
     def __init__(self) -> None:
-        self._pending: list[tuple[Hashable, Any, Any, Any, str]] = []  # key, t, stream, ev, mode
+        # (key, tensor, stream, event, mode, sequence number)
+        self._pending: list[tuple[Hashable, Any, Any, Any, str, int]] = []
+        self._seq = 0  # releases so far
+        self._held = 0  # releases from this number on are held (`hold_from_here`)
 
     def release(self, key, tensor, stream, mode: str = "free") -> None:
         self.reclaim_key(key)
         if self._same(stream, self.current()):
             super().release(key, tensor, stream, mode)
             return
-        self._pending.append((key, tensor, stream, self.record(), mode))
+        self._pending.append((key, tensor, stream, self.record(), mode, self._seq))
+        self._seq += 1
+
+    def hold_from_here(self) -> None:
+        self._held = self._seq
 
     def _same(self, a, b) -> bool:
         return a is b or a == b
 
     def _finish(self, entry) -> None:
-        key, tensor, stream, event, mode = entry
+        key, tensor, stream, event, mode, _ = entry
         self.wait(event, stream)
         with self.use(stream):
             Streams.release(self, key, tensor, stream, mode)
 
-    def reclaim(self, stream, keep: int = 0) -> None:
-        mine = [e for e in self._pending if self._same(e[2], stream)]
-        done = mine[: max(0, len(mine) - keep)]
+    def reclaim(self, stream, keep_held: bool = False) -> None:
+        done = [e for e in self._pending if self._same(e[2], stream)
+                and not (keep_held and e[5] >= self._held)]
         if not done:
             return
         self._pending = [e for e in self._pending if not any(e is d for d in done)]
