@@ -31,6 +31,11 @@ split into forward+backward, clipping and optimizer step+zero_grad (`phase_s`, p
 second table; each phase on its slowest rank, so they may add up to more than the step). Memory is not measured here: the runs share one pool of ranks, whose peak RSS
 spans them all.
 
+On a GPU (`--device cuda`: one GPU per rank, NCCL; fresh processes) the step is timed to the end
+of its kernels, the phases as the host issues them, and the JSON line adds `step_alloc_bytes`:
+what a step allocates above what was allocated before it (`torch.cuda.max_memory_allocated`),
+also printed as "step alloc MB".
+
 Targets (issue 11): step time <= 0.9x torch's, FSDP bytes <= 0.5x (gradient path <= torch's,
 parameter path 0). Prints a table and one JSON line (`--json`: only the JSON).
 Default run: 2 ranks, both models, all optimizers, 6 steps (about 3 minutes on 2 idle CPU
@@ -56,6 +61,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import veragged
+from veragged.testing.multiprocess import run_on_ranks
 from veragged.testing.pool import get_pool
 from veragged.testing.copies import BUCKETS, WriteCounter
 from veragged.testing.llama import Llama, LlamaConfig, RMSNorm, muon_param_groups
@@ -135,8 +141,10 @@ def _optimizer(name: str, model: nn.Module):
 
 
 def _sharded(kind: str, model_name: str, spec: dict, opt_name: str, mesh, mp: bool):
-    """The model sharded by `kind`'s fully_shard, and its optimizer."""
+    """The model sharded by `kind`'s fully_shard (on the mesh's device), and its optimizer."""
     model = _build(model_name, spec)
+    if mesh.device_type != "cpu":
+        model = model.to(torch.device(mesh.device_type, torch.cuda.current_device()))
     kwargs = {"mesh": mesh}
     if mp:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
@@ -153,8 +161,15 @@ def _sharded(kind: str, model_name: str, spec: dict, opt_name: str, mesh, mp: bo
     return model, _optimizer(opt_name, model)
 
 
+def _sync(tokens) -> None:
+    if tokens.is_cuda:
+        torch.cuda.synchronize()
+
+
 def _step(model, opt, tokens) -> list[float]:
-    """One training step; returns its time and that of forward+backward, clipping, optimizer."""
+    """One training step; returns its time and that of forward+backward, clipping, optimizer.
+    On a GPU the step is timed to the end of its kernels, the phases as the host issues them."""
+    _sync(tokens)
     t0 = time.perf_counter()
     model.loss(tokens).backward()
     t1 = time.perf_counter()
@@ -162,15 +177,30 @@ def _step(model, opt, tokens) -> list[float]:
     t2 = time.perf_counter()
     opt.step()
     opt.zero_grad()
-    return [time.perf_counter() - t0, t1 - t0, t2 - t1, time.perf_counter() - t2]
+    t3 = time.perf_counter()
+    _sync(tokens)
+    return [time.perf_counter() - t0, t1 - t0, t2 - t1, t3 - t2]
+
+
+def _step_memory(model, opt, tokens) -> int:
+    """Bytes a step allocates above what was allocated before it (GPU only; 0 on the CPU)."""
+    if not tokens.is_cuda:
+        return 0
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    _step(model, opt, tokens)
+    return torch.cuda.max_memory_allocated() - base
 
 
 def _worker(kinds: tuple, model_name: str, spec: dict, opt_name: str, steps: int, mp: bool,
-            top: int):
+            top: int, device: str = "cpu"):
     """Both sides in one job: their timed steps alternate (torch first on even steps), so that
     whatever else runs on the machine weighs on both alike."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    mesh = init_device_mesh(device, (world,))
     plain = _build(model_name, spec)
     n_tensors = sum(1 for _ in plain.parameters())
     numel = sum(p.numel() for p in plain.parameters())
@@ -179,6 +209,8 @@ def _worker(kinds: tuple, model_name: str, spec: dict, opt_name: str, steps: int
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, VOCAB, (steps + 3, world * BATCH, SEQ + 1), generator=g)
     local = data[:, rank * BATCH : (rank + 1) * BATCH]
+    if device == "cuda":
+        local = local.cuda()
     for i in range(2):
         for k in kinds:
             _step(*sides[k], local[i])
@@ -191,6 +223,7 @@ def _worker(kinds: tuple, model_name: str, spec: dict, opt_name: str, steps: int
             times[k].append(t.tolist())
     results = {}
     for k in kinds:
+        step_bytes = _step_memory(*sides[k], local[-1])
         with WriteCounter() as counter:
             _step(*sides[k], local[-1])
         fsdp_ops = sorted(((n, b, op, site) for (b, op, site), n in counter.ops.items()
@@ -205,6 +238,7 @@ def _worker(kinds: tuple, model_name: str, spec: dict, opt_name: str, steps: int
                                 for n, b, op, site in fsdp_ops],
             "tensors": n_tensors,
             "params": numel,
+            "step_alloc_bytes": step_bytes,
         }
     return results
 
@@ -250,8 +284,14 @@ def main(argv=None):
                         help="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
     parser.add_argument("--top", type=int, default=6, help="largest FSDP writes kept in JSON")
     parser.add_argument("--quick", action="store_true", help="tiny models, 2 steps, AdamW only")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cpu (gloo ranks) or cuda (one GPU per rank, NCCL; `--world` at "
+                             "most the GPUs)")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and torch.cuda.device_count() < args.world:
+        parser.error(f"--device cuda --world {args.world}: {torch.cuda.device_count()} CUDA "
+                     "device(s) visible, one per rank needed")
     specs = {
         "llama": {"dim": args.dim, "layers": args.layers},
         "moe": {"dim": args.moe_dim, "layers": args.moe_layers, "experts": args.experts,
@@ -276,13 +316,21 @@ def main(argv=None):
               f"{'torch grad B':>12} {'ours grad B':>11} {'grad ratio':>10} {'FSDP ratio':>10}")
     print(header, file=out)
     rows = []
-    pool = get_pool(args.world)  # one set of ranks for every run: no start-up per run
+    if args.device == "cpu":
+        pool = get_pool(args.world)  # one set of ranks for every run: no start-up per run
+
+        def run(*job):
+            return pool.run(_worker, *job, timeout=1200)
+    else:  # fresh processes with NCCL (the pool's ranks are gloo)
+        def run(*job):
+            return run_on_ranks(_worker, args.world, args=job, backend="cpu:gloo,cuda:nccl",
+                                timeout=1200)
     for name in models:
         for opt_name in opts:
             r = {"model": name, "spec": specs[name], "optimizer": opt_name}
             kinds = ("torch", "veragged") if opt_name in TORCH_PEER else ("veragged",)
-            res = pool.run(_worker, kinds, name, specs[name], opt_name, steps, args.mp,
-                           args.top, timeout=1200)
+            res = run(kinds, name, specs[name], opt_name, steps, args.mp, args.top,
+                      args.device)
             for kind in kinds:
                 r[kind] = _merge([per_rank[kind] for per_rank in res])
             v, t = r["veragged"], r.get("torch")
@@ -309,20 +357,25 @@ def main(argv=None):
         "muon/adamw8bit have no torch peer)",
         file=out,
     )
+    gpu = args.device == "cuda"
     print(f"\n{'model':6} {'optim':9} {'side':8} {'fwd+bwd ms':>10} {'clip ms':>8} "
-          f"{'optim ms':>8}   (the fastest step's phases)", file=out)
+          f"{'optim ms':>8}" + (f" {'step alloc MB':>13}" if gpu else "")
+          + "   (the fastest step's phases" + (", as the host issues them)" if gpu else ")"),
+          file=out)
     for r in rows:
         for kind in ("torch", "veragged"):
             if kind in r:
                 ph = r[kind]["phase_s"]
+                mem = f" {r[kind]['step_alloc_bytes'] / 2**20:13.1f}" if gpu else ""
                 print(f"{r['model']:6} {r['optimizer']:9} {kind:8} {ph['fwd_bwd'] * 1e3:10.1f} "
-                      f"{ph['clip'] * 1e3:8.1f} {ph['optim'] * 1e3:8.1f}", file=out)
+                      f"{ph['clip'] * 1e3:8.1f} {ph['optim'] * 1e3:8.1f}{mem}", file=out)
     print(json.dumps({
         "benchmark": "fsdp_step",
         "date": datetime.date.today().isoformat(),
         "commit": _commit(),
         "torch": torch.__version__,
         "world_size": args.world,
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(0),
         "steps": steps,
         "mixed_precision": args.mp,
         "rows": rows,

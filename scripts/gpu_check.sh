@@ -8,7 +8,9 @@
 #      no host sync in a step (tests/cuda/test_fully_shard_cuda.py),
 #   5. the CPU-side proofs the GPU design rests on (tests/runtime: happens-before orderings,
 #      host syncs, launch counts),
-#   6. benchmarks/host_work.py (launches and host time per phase vs torch).
+#   6. the GPU benchmarks against torch's fully_shard in the same run, one rank per GPU:
+#      benchmarks/host_work.py (launches, host time per phase) and benchmarks/fsdp_step.py
+#      (step time, phases as issued, what a step allocates).
 # Prints one line per stage (PASS/FAIL, seconds) and a summary table naming the device; exits
 # non-zero if any stage failed. Without a CUDA device it says so and exits 2.
 set -uo pipefail
@@ -49,7 +51,10 @@ else
 fi
 stage fully_shard "$PY" -m pytest -q tests/cuda/test_fully_shard_cuda.py
 stage runtime "$PY" -m pytest -q tests/runtime
-stage host_work "$PY" benchmarks/host_work.py
+ngpu=$("$PY" -c 'import torch; print(min(torch.cuda.device_count(), 8))')
+stage host_work_cuda "$PY" benchmarks/host_work.py --device cuda --world "$ngpu"
+stage fsdp_step_cuda "$PY" benchmarks/fsdp_step.py --device cuda --world "$ngpu" \
+  --optimizers adamw
 
 echo
 echo "GPU check on $device, commit $(git rev-parse --short HEAD 2>/dev/null), $(date -u +%F)"
