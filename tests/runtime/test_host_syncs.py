@@ -1,14 +1,15 @@
 """No host sync in a training step ([Note: streams and events] in veragged/runtime/streams.py).
 
 On an accelerator, reading a device tensor's value on the host (`.item()`, `.tolist()`, `bool()`,
-`int()`, `float()`, `.cpu()`, `.numpy()`) waits for every kernel queued before it. On the CPU the
-same calls cost nothing, so they are found here by watching them: between the start of forward
-and `optimizer.step()` returning, veragged's own code (not torch's, not the test's) may call none
-of them on a tensor other than the optimizers' step counters, which live on the host as torch's
-do (torch.optim keeps `state["step"]` on the CPU unless capturable), nor build a tensor from host
-data with a `device` (`torch.tensor(x, device=...)`: a blocking copy from pageable memory). The steps after the first
-are watched (the first creates the optimizer state), with fully_shard + torch's AdamW, Muon and
-AdamW8bit, and with clipping (torch's and veragged's)."""
+`int()`, `float()`, `.cpu()`, `.numpy()`) waits for every kernel queued before it. On the CPU
+the same calls cost nothing, so they are found here by watching them: between the start of
+forward and `optimizer.step()` returning, veragged's own code (not torch's, not the test's) may
+call none of them on a tensor other than the optimizers' step counters, which live on the host
+as torch's do (torch.optim keeps `state["step"]` on the CPU unless capturable), nor build a
+tensor from host data with a `device` (`torch.tensor(x, device=...)`: a blocking copy from
+pageable memory). The steps after the first are watched (the first creates the optimizer state),
+with fully_shard + torch's AdamW, Muon and AdamW8bit, and with clipping (torch's and
+veragged's)."""
 
 from __future__ import annotations
 
@@ -112,7 +113,9 @@ def _train(opt_name: str, clip: str, planted: bool = False):
 
         return mock.patch.object(torch, name, wrapper)
 
-    patches = [watch(n) for n in WATCHED] + [watch_factory(n) for n in FACTORIES] + ([_planted_sync()] if planted else [])
+    patches = [watch(n) for n in WATCHED] + [watch_factory(n) for n in FACTORIES]
+    if planted:
+        patches.append(_planted_sync())
     for p in patches:
         p.start()
     try:
@@ -146,4 +149,5 @@ def test_no_host_sync_in_a_step(opt_name, clip):
 
 def test_a_planted_sync_is_reported():
     for calls in run_on_ranks(_train, 2, args=("adamw", "none", True), timeout=180):
-        assert calls and all("Tensor.__float__ at veragged/fsdp/group.py" in c for c in calls), calls
+        where = "Tensor.__float__ at veragged/fsdp/group.py"
+        assert calls and all(where in c for c in calls), calls

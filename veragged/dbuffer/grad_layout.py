@@ -13,14 +13,15 @@ form of the collective (`dist.reduce_scatter`; NCCL runs it as grouped reduces),
 rank sends every slot as it is: the wire carries the trainable gradients themselves, however
 unevenly the parameter layout spread them (a model frozen after `fully_shard` may hold its
 adapters on a few ranks), not W copies of the largest slot. A comm that stages the collective
-([Note: custom comms]) takes equal slots, so its buffer pads each to the largest. Each tensor keeps its rank distribution (its gradient on
-rank r has exactly r's elements of the parameter), so a sharded gradient is the same
-RaggedShard DTensor over `_shard_grad[_grad_local[i]]`, at another offset than the parameter in
-the shard. The landing, the flags, the reduce-scatter and the HSDP all-reduce all work on slots
-of Sg_r + F: frozen tensors cost nothing on the wire or in memory, as in torch's FSDP2, which
-leaves them out of its reduce-scatter. A tensor that gains a gradient without room (frozen
-when the layout was made) triggers a new layout in place; gradients held across a change move.
-(tests/fsdp/test_compacted_grads.py; torch's test_train_mixed_requires_grad_per_group.)
+([Note: custom comms]) takes equal slots, so its buffer pads each to the largest. Each tensor
+keeps its rank distribution (its gradient on rank r has exactly r's elements of the parameter),
+so a sharded gradient is the same RaggedShard DTensor over `_shard_grad[_grad_local[i]]`, at
+another offset than the parameter in the shard. The landing, the flags, the reduce-scatter and
+the HSDP all-reduce all work on slots of Sg_r + F: frozen tensors cost nothing on the wire or in
+memory, as in torch's FSDP2, which leaves them out of its reduce-scatter. A tensor that gains a
+gradient without room (frozen when the layout was made) triggers a new layout in place;
+gradients held across a change move. (tests/fsdp/test_compacted_grads.py; torch's
+test_train_mixed_requires_grad_per_group.)
 """
 
 from __future__ import annotations

@@ -29,40 +29,43 @@ its reduce-scatter), yet the reduce-scatter covers the whole buffer on every ran
 whose data reached different parameters still issue the same collective. Which parameters some
 rank reached travels inside that collective: every rank's slot of the gradient buffer ends with
 F >= n flags (n tensors with room in it, [Note: compacted gradients]; F rounded up to 16 bytes),
-and each rank writes its own verdicts into every slot's flags before the reduce-scatter (1 for a tensor its backward
-reached, or any tensor in `set_reduce_scatter_unused_params(True)` mode; 0 otherwise; one small
-host-to-device copy). The SUM leaves in each rank's slot the number of ranks that reached each
-tensor (HSDP: the all-reduce over the replicas adds theirs; a no-all-reduce micro-batch's sum
-kept aside adds its own), so every rank, including one that holds no element of a tensor (a
-RaggedShard may give a rank zero units), reads the same verdict: a gradient for every tensor
-some rank reached, None for the others. After backward, every rank of the mesh therefore agrees
-on which parameters have a gradient, and clipping (torch's, whose per-parameter norms of
-RaggedShard gradients each all-reduce, and `veragged.clip_grad_norm_`), GradScaler, the
-optimizers and DCP issue the same collectives on every rank. The counts are small integers in
-the reduce dtype (exact below 2^8 ranks even in bf16, and never 0 once positive), so no backend
-detail (the sign of a zero sum) matters; the flags never touch a gradient element: a rank that
-did not reach a tensor sends +0.0 there, which leaves the others' sum bitwise as it was (their
-elements are never -0.0: +0.0 + x is not). The cost is F elements per rank on the wire and in
-the buffer (n rounded up to 16 bytes, `FLAG_ALIGN_BYTES`: 16 B per rank for a buffer of up to 4
-trainable fp32 tensors, 4 bytes a tensor beyond), and no collective torch's backward does not issue. It cannot be zero while the guarantee holds: a rank
-that reached a tensor another did not must tell it, and the gradient elements cannot carry the
-news (a reached rank's gradient may be exactly zero, and its sum with anything is another
-gradient), so the bits must travel somewhere; torch sends none and aborts instead when ranks
-reach different parameters. (Filling unreached ranges with -0.0 would let a tensor's own
-elements carry its verdict, since IEEE sums give -0.0 only from -0.0 alone, but only to ranks
-holding part of it: a RaggedShard layout keeps most tensors on a few ranks, so the flags stay.) With `set_reduce_scatter_unused_params(True)` (torch's answer to
-such routing: every trainable parameter gets a gradient, zeros where no rank reached it) no
-verdict is needed, and the buffer is laid out without flags (`set_grad_layout(flags=False)`):
-the reduce-scatter then carries the trainable gradients only, as torch's.
+and each rank writes its own verdicts into every slot's flags before the reduce-scatter (1 for a
+tensor its backward reached, or any tensor in `set_reduce_scatter_unused_params(True)` mode; 0
+otherwise; one small host-to-device copy). The SUM leaves in each rank's slot the number of
+ranks that reached each tensor (HSDP: the all-reduce over the replicas adds theirs; a
+no-all-reduce micro-batch's sum kept aside adds its own), so every rank, including one that
+holds no element of a tensor (a RaggedShard may give a rank zero units), reads the same verdict:
+a gradient for every tensor some rank reached, None for the others. After backward, every rank
+of the mesh therefore agrees on which parameters have a gradient, and clipping (torch's, whose
+per-parameter norms of RaggedShard gradients each all-reduce, and `veragged.clip_grad_norm_`),
+GradScaler, the optimizers and DCP issue the same collectives on every rank. The counts are
+small integers in the reduce dtype (exact below 2^8 ranks even in bf16, and never 0 once
+positive), so no backend detail (the sign of a zero sum) matters; the flags never touch a
+gradient element: a rank that did not reach a tensor sends +0.0 there, which leaves the others'
+sum bitwise as it was (their elements are never -0.0: +0.0 + x is not). The cost is F elements
+per rank on the wire and in the buffer (n rounded up to 16 bytes, `FLAG_ALIGN_BYTES`: 16 B per
+rank for a buffer of up to 4 trainable fp32 tensors, 4 bytes a tensor beyond), and no collective
+torch's backward does not issue. It cannot be zero while the guarantee holds: a rank that
+reached a tensor another did not must tell it, and the gradient elements cannot carry the news
+(a reached rank's gradient may be exactly zero, and its sum with anything is another gradient),
+so the bits must travel somewhere; torch sends none and aborts instead when ranks reach
+different parameters. (Filling unreached ranges with -0.0 would let a tensor's own elements
+carry its verdict, since IEEE sums give -0.0 only from -0.0 alone, but only to ranks holding
+part of it: a RaggedShard layout keeps most tensors on a few ranks, so the flags stay.) With
+`set_reduce_scatter_unused_params(True)` (torch's answer to such routing: every trainable
+parameter gets a gradient, zeros where no rank reached it) no verdict is needed, and the buffer
+is laid out without flags (`set_grad_layout(flags=False)`): the reduce-scatter then carries the
+trainable gradients only, as torch's.
 Reading a verdict is a device-to-host read, needed only when this rank's backward missed a
 trainable tensor of the buffer (it knows the tensors it reached): one read per buffer, of all
 its flags. Inside backward (`finish_reduce(defer=True)`, the group's state after its
 post-backward) the read is started without waiting (a copy to pinned host memory and an event on
 an accelerator) and the gradients of those tensors are bound at the end of backward
-(`resolve_grads`, from `ParamGroup.end_backward`), so backward does not stall the host per group; any
-later use of the buffer (the next reduction, `apply_`) resolves first. Tensors this rank reached
-are bound when their reduction finishes; hooks on the sharded parameters (an optimizer step in
-backward) run when the gradient is bound, so for the others at the end of backward.
+(`resolve_grads`, from `ParamGroup.end_backward`), so backward does not stall the host per
+group; any later use of the buffer (the next reduction, `apply_`) resolves first. Tensors this
+rank reached are bound when their reduction finishes; hooks on the sharded parameters (an
+optimizer step in backward) run when the gradient is bound, so for the others at the end of
+backward.
 (tests/fsdp/test_routing.py: ranks reaching different experts, holding none of some, through
 clipping, the optimizers, GradScaler and DCP; tests/stress: the same over many steps.)
 """
