@@ -193,14 +193,38 @@ def _step_memory(model, opt, tokens) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
+def device_mesh(device: str):
+    """In a rank: the 1-D mesh of every rank on `device` ("cpu", or "cuda": this rank's GPU)."""
+    if device == "cuda":
+        torch.cuda.set_device(dist.get_rank())
+    return init_device_mesh(device, (dist.get_world_size(),))
+
+
+def add_device_argument(parser: argparse.ArgumentParser, gpu_note: str = "") -> None:
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cpu (gloo ranks) or cuda (one GPU per rank, NCCL; `--world` at "
+                             "most the GPUs)" + gpu_note)
+
+
+def rank_runner(parser: argparse.ArgumentParser, args, timeout: float):
+    """`run(worker, *job)` on `args.world` ranks of `args.device`: the reused gloo pool on the
+    CPU, fresh processes with NCCL on GPUs (the pool's ranks are gloo)."""
+    if args.device == "cuda" and torch.cuda.device_count() < args.world:
+        parser.error(f"--device cuda --world {args.world}: {torch.cuda.device_count()} CUDA "
+                     "device(s) visible, one per rank needed")
+    if args.device == "cpu":
+        pool = get_pool(args.world)
+        return lambda worker, *job: pool.run(worker, *job, timeout=timeout)
+    return lambda worker, *job: run_on_ranks(worker, args.world, args=job,
+                                             backend="cpu:gloo,cuda:nccl", timeout=timeout)
+
+
 def _worker(kinds: tuple, model_name: str, spec: dict, opt_name: str, steps: int, mp: bool,
             top: int, device: str = "cpu"):
     """Both sides in one job: their timed steps alternate (torch first on even steps), so that
     whatever else runs on the machine weighs on both alike."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    mesh = init_device_mesh(device, (world,))
+    mesh = device_mesh(device)
     plain = _build(model_name, spec)
     n_tensors = sum(1 for _ in plain.parameters())
     numel = sum(p.numel() for p in plain.parameters())
@@ -284,14 +308,10 @@ def main(argv=None):
                         help="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
     parser.add_argument("--top", type=int, default=6, help="largest FSDP writes kept in JSON")
     parser.add_argument("--quick", action="store_true", help="tiny models, 2 steps, AdamW only")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                        help="cpu (gloo ranks) or cuda (one GPU per rank, NCCL; `--world` at "
-                             "most the GPUs)")
+    add_device_argument(parser)
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and torch.cuda.device_count() < args.world:
-        parser.error(f"--device cuda --world {args.world}: {torch.cuda.device_count()} CUDA "
-                     "device(s) visible, one per rank needed")
+    run_job = rank_runner(parser, args, timeout=1200)  # one set of ranks for every run
     specs = {
         "llama": {"dim": args.dim, "layers": args.layers},
         "moe": {"dim": args.moe_dim, "layers": args.moe_layers, "experts": args.experts,
@@ -316,21 +336,12 @@ def main(argv=None):
               f"{'torch grad B':>12} {'ours grad B':>11} {'grad ratio':>10} {'FSDP ratio':>10}")
     print(header, file=out)
     rows = []
-    if args.device == "cpu":
-        pool = get_pool(args.world)  # one set of ranks for every run: no start-up per run
-
-        def run(*job):
-            return pool.run(_worker, *job, timeout=1200)
-    else:  # fresh processes with NCCL (the pool's ranks are gloo)
-        def run(*job):
-            return run_on_ranks(_worker, args.world, args=job, backend="cpu:gloo,cuda:nccl",
-                                timeout=1200)
     for name in models:
         for opt_name in opts:
             r = {"model": name, "spec": specs[name], "optimizer": opt_name}
             kinds = ("torch", "veragged") if opt_name in TORCH_PEER else ("veragged",)
-            res = run(kinds, name, specs[name], opt_name, steps, args.mp, args.top,
-                      args.device)
+            res = run_job(_worker, kinds, name, specs[name], opt_name, steps, args.mp,
+                          args.top, args.device)
             for kind in kinds:
                 r[kind] = _merge([per_rank[kind] for per_rank in res])
             v, t = r["veragged"], r.get("torch")

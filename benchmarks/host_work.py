@@ -32,14 +32,11 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fsdp_step  # noqa: E402  (the models and how both sides shard them)
 
 from veragged.testing.copies import LaunchCounter  # noqa: E402
-from veragged.testing.multiprocess import run_on_ranks  # noqa: E402
-from veragged.testing.pool import get_pool  # noqa: E402
 
 PHASES = ("forward", "backward", "clip", "optim")
 SIDES = ("torch", "veragged")
@@ -117,9 +114,7 @@ def _groups(model, kind: str) -> int:
 
 def _worker(model_name: str, spec: dict, steps: int, device: str = "cpu"):
     rank, world = dist.get_rank(), dist.get_world_size()
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    mesh = init_device_mesh(device, (world,))
+    mesh = fsdp_step.device_mesh(device)
     sides = {k: fsdp_step._sharded(k, model_name, spec, "adamw", mesh, False) for k in SIDES}
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, fsdp_step.VOCAB, (steps + 4, world * fsdp_step.BATCH,
@@ -162,22 +157,14 @@ def main(argv=None) -> int:
     parser.add_argument("--world", type=int, default=2, help="gloo ranks (default 2)")
     parser.add_argument("--model", default="moe", choices=("moe", "llama"))
     parser.add_argument("--steps", type=int, default=4, help="timed steps per side (4)")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                        help="cpu (gloo ranks) or cuda (one GPU per rank, NCCL): on a GPU the "
-                             "host ms are what the host takes to issue each phase")
+    fsdp_step.add_device_argument(
+        parser, "; on a GPU the host ms are what the host takes to issue each phase")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and torch.cuda.device_count() < args.world:
-        parser.error(f"--device cuda --world {args.world}: {torch.cuda.device_count()} CUDA "
-                     "device(s) visible, one per rank needed")
+    run_job = fsdp_step.rank_runner(parser, args, timeout=600)
     spec = ({"dim": 64, "layers": 14, "experts": 16, "hidden": 32} if args.model == "moe"
             else {"dim": 128, "layers": 2})
-    job = (args.model, spec, args.steps, args.device)
-    if args.device == "cpu":
-        res = get_pool(args.world, timeout_s=600).run(_worker, *job)[0]
-    else:  # fresh processes with NCCL
-        res = run_on_ranks(_worker, args.world, args=job, backend="cpu:gloo,cuda:nccl",
-                           timeout=600)[0]
+    res = run_job(_worker, args.model, spec, args.steps, args.device)[0]
     rows = []
     for p in PHASES:
         t, v = res["torch"]["phases"][p], res["veragged"]["phases"][p]

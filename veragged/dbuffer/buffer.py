@@ -210,7 +210,6 @@ class DBuffer(GradientPath):
         self._plan_grads(self._grad_mask, self._grad_flags)
         self._grads = torch.empty(self._grads_numel(), dtype=self.reduce_dtype,
                                   device=self.compute_device)
-        self._pieces = [self._grad_pieces(i) for i in range(len(self.entries))]  # where each lands
         self._free(self._grads)
         self._landed = [True] * len(self.entries)  # which ranges hold a gradient (grads.py)
         self._shard_grad: torch.Tensor | None = None
@@ -471,7 +470,7 @@ class DBuffer(GradientPath):
             else:
                 ops.cast_scale_(source, self.shard, 1.0)
         reads = (self.key("kept"),) if source is self._gather_keep else (self.key("shard"),)
-        written = self.key("unsharded") if out is self._unsharded else self.key("gathered")
+        written = self._gathered_key(out)
         if self.world == 1:  # nothing to gather: the shard is the whole buffer
             if source is self.shard:
                 ops.cast_scale_(out, self.shard, 1.0)
@@ -501,8 +500,8 @@ class DBuffer(GradientPath):
         self.rt.completed(handle)
         self._gather_keep = None
         if stage is not None:  # the comm's staging buffer: [Note: custom comms]
-            written = self.key("unsharded") if stage[1] is self._unsharded else self.key("gathered")
-            self.rt.launch("copy", reads=(self.key("staged"),), writes=(written,))
+            self.rt.launch("copy", reads=(self.key("staged"),),
+                           writes=(self._gathered_key(stage[1]),))
             with torch.no_grad():
                 stage[1].copy_(stage[0])
             self.rt.release(self.key("staged"), stage[0], self._unsharded_stream, "drop")
@@ -515,6 +514,11 @@ class DBuffer(GradientPath):
     def _gather_output(self) -> torch.Tensor:
         """Where the all-gather writes (rank-major, the param dtype)."""
         return self._unsharded
+
+    def _gathered_key(self, out: torch.Tensor) -> tuple[int, str]:
+        """The runtime's name of the all-gather output `out`: the unsharded buffer, or the
+        rank-major copy a subclass gathers into (`_gather_output`)."""
+        return self.key("unsharded" if out is self._unsharded else "gathered")
 
     def _finish_gather(self) -> None:
         """After the all-gather: the unsharded views hold the values (version restored)."""

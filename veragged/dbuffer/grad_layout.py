@@ -120,36 +120,6 @@ class GradientLayout:
     def _grads_numel(self) -> int:
         return self._grad_starts[-1]
 
-    def _grad_pieces(self, i: int) -> list[tuple[int, int, torch.Tensor]] | None:
-        """Tensor i's gradient as views of the gradient buffer: (first, last) flat elements
-        of the gradient and the view they land in. `[(None, None, view)]`, one view of the
-        tensor's shape, when it lies in one slot; else its part in the first slot, the whole
-        slots after it as one (k, S) view, and its part in the last slot."""
-        if not self._grad_mask[i]:
-            return None  # no room: frozen ([Note: compacted gradients])
-        G, e = self._grads, self.entries[i]
-        pieces, starts = self._grad_slots[i], self._grad_starts
-        if len(pieces) <= 1:
-            r, off, k = pieces[0] if pieces else (0, 0, 0)
-            lo = starts[r] + off
-            return [(None, None, G[lo : lo + k].view(e.view_shape))]
-        S = self.shard_size
-        out, a, j = [], 0, 0
-        while j < len(pieces):
-            r, off, k = pieces[j]
-            run = 0  # whole slots from here on
-            while j + run < len(pieces) and pieces[j + run][2] == S:
-                run += 1
-            stride = starts[r + 1] - starts[r]
-            if run > 1 and self.grad_slots_uniform:  # whole slots lie at offset 0 of theirs
-                out.append((a, a + run * S, G.view(-1, stride)[r : r + run, :S]))
-                a, j = a + run * S, j + run
-            else:
-                lo = starts[r] + off
-                out.append((a, a + k, G[lo : lo + k]))
-                a, j = a + k, j + 1
-        return out
-
     def set_grad_layout(self, mask: Sequence[bool], flags: bool = True) -> None:
         """Give gradient room to the tensors `mask` marks only (those that require grad): the
         gradient buffer, the reduce-scatter and the sharded gradients shrink to them
@@ -173,7 +143,6 @@ class GradientLayout:
         self._plan_grads(mask, flags)
         self._grads = torch.empty(self._grads_numel(), dtype=self.reduce_dtype,
                                   device=self.compute_device)
-        self._pieces = [self._grad_pieces(i) for i in range(len(self.entries))]
         keep = [i for i, (m, o) in enumerate(zip(mask, old_mask)) if m and o]  # room in both
         if old_grads is not None:  # gradients accumulating without sync: move them
             moves = [(old_starts[r] + a, self._grad_starts[r] + b, k)

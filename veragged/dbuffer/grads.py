@@ -129,34 +129,40 @@ class GradientPath(GradientLayout):
             return 1.0
         return 1.0 / factor
 
+    def _land_ranges(self, i: int):
+        """Tensor i's pieces in the gradient buffer: (offset in the tensor, offset in the
+        buffer, elements), one per rank slot it crosses ([Note: gradient landing])."""
+        a, starts = 0, self._grad_starts
+        for r, off, k in self._grad_slots[i]:
+            yield a, starts[r] + off, k
+            a += k
+
+    def _make_room(self, indices) -> None:
+        """Gradient room for tensors frozen when the layout was made that have a gradient."""
+        if not all(self._grad_mask[i] for i in indices):
+            room = set(indices)
+            self.set_grad_layout([m or j in room for j, m in enumerate(self._grad_mask)],
+                                 self._grad_flags)
+
     def land_grads(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
         """Land each `(i, grad)`: write (first gradient since allocation) or add it into
         tensor i's range, all in one `land_` launch ([Note: gradient landing])."""
         if not grads:
             return
-        if any(self._pieces[i] is None for i, _ in grads):  # frozen when the layout was made
-            room = {i for i, _ in grads}
-            self.set_grad_layout([m or j in room for j, m in enumerate(self._grad_mask)],
-                                 self._grad_flags)
-        if self._grads.dtype not in ops.LAND_DTYPES:
-            for i, g in grads:
-                self.land_grad(i, g)
-            return
+        self._make_room([i for i, _ in grads])
         srcs: list[torch.Tensor] = []
         pieces: list[int] = []
-        starts = self._grad_starts
         for i, grad in grads:
             spmd = self.entries[i].spmd
             if spmd is not None:  # a DTensor on the TP mesh: [Note: FSDP over TP]
                 grad = spmd.local_grad(grad)
-            if grad.dtype not in ops.LAND_DTYPES:  # complex, float8: torch's adds
-                self.land_grad(i, grad, local=True)
+            if grad.dtype not in ops.LAND_DTYPES or self._grads.dtype not in ops.LAND_DTYPES:
+                self.land_grad(i, grad, local=True)  # complex, float8: torch's adds
                 continue
-            j, a, add = len(srcs), 0, int(self._landed[i])
+            j, add = len(srcs), int(self._landed[i])
             srcs.append(grad.contiguous().view(-1))
-            for r, off, k in self._grad_slots[i]:
-                pieces += (j, a, starts[r] + off, k, add)
-                a += k
+            for a, d, k in self._land_ranges(i):
+                pieces += (j, a, d, k, add)
             self._landed[i] = True
         if srcs:
             self.rt.write(self.key("grads"))
@@ -164,20 +170,14 @@ class GradientPath(GradientLayout):
 
     def land_grad(self, i: int, grad: torch.Tensor, local: bool = False) -> None:
         """Write (first gradient since allocation) or add `grad` into tensor `i`'s range, by
-        torch's ops (`land_grads` lands several in one launch); `local`: a TP gradient already
-        made local."""
-        if self._pieces[i] is None:  # frozen when the layout was made, yet it has a gradient
-            self.set_grad_layout([m or j == i for j, m in enumerate(self._grad_mask)],
-                                 self._grad_flags)
-        pieces = self._pieces[i]
+        torch's ops, one per piece (`land_grads` lands several tensors in one launch);
+        `local`: a TP gradient already made local."""
+        self._make_room([i])
         spmd = self.entries[i].spmd
         if spmd is not None and not local:  # a DTensor on the TP mesh: [Note: FSDP over TP]
             grad = spmd.local_grad(grad)
-        if pieces[0][0] is None:  # in one slot
-            parts = [(pieces[0][2], grad)]
-        else:  # across shard slots: [Note: gradient landing]
-            flat = grad.reshape(-1)
-            parts = [(view, flat[a:b].view(view.shape)) for a, b, view in pieces]
+        flat, G = grad.reshape(-1), self._grads
+        parts = [(G[d : d + k], flat[a : a + k]) for a, d, k in self._land_ranges(i)]
         self.rt.write(self.key("grads"))
         with torch.no_grad():
             if self._landed[i]:
@@ -405,30 +405,17 @@ class GradientPath(GradientLayout):
         handle, (source, temp), reduced, direct, accumulate, scale, all_reduce, unreached = (
             self._reduce)
         self._reduce = None
-        rt, rs = self.rt, self.rt.stream("reduce_scatter")
+        rt = self.rt
         rkey = self.key("shard_grad" if direct else "reduced")
         S, F = self._grad_slot, self._flags
         n = len(self.params)
         replica_dims = self._replica_dims()
-        if replica_dims and all_reduce and self._partial is None:
-            # HSDP: the all-reduce on its own stream, after the reduce-scatter's event.
-            ar = rt.stream("all_reduce")
-            rt.completed(handle, ar)
-            for d in replica_dims:
-                with rt.use(ar):
-                    work = dist.all_reduce(reduced, op=dist.ReduceOp.SUM,
-                                           group=self.mesh.get_group(d), async_op=True)
-                    rt.launch("all_reduce", reads=(rkey,), writes=(rkey,))
-                    handle = rt.launched(work)
-                rt.completed(handle, ar)  # the next dim's all-reduce after this one
-            replica_dims = []
-        rt.completed(handle)
-        del source
         if replica_dims and not all_reduce:
             # HSDP micro-batch without the all-reduce (set_requires_all_reduce(False)): keep the
             # reduce-scattered sum (and flags) aside, as torch does; the next all-reducing
             # micro-batch adds it in before its all-reduce. The sharded gradients are not
             # touched until then.
+            rt.completed(handle)
             rt.read(rkey)
             if self._partial is None:
                 self._partial = reduced[: S + F].clone()
@@ -436,15 +423,25 @@ class GradientPath(GradientLayout):
                 self._partial.add_(reduced[: S + F])
             self._release_reduced(temp)
             return done
-        if self._partial is not None:  # (on the current stream: it holds the kept sums)
-            rt.read(rkey)
-            reduced = reduced[: S + F] + self._partial
-            self._partial = None
-            rkey = self.key("partial_sum")
-            rt.write(rkey)
-        for d in replica_dims:
-            dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.mesh.get_group(d))
-            rt.launch("all_reduce", reads=(rkey,), writes=(rkey,))
+        if replica_dims:  # HSDP: the all-reduce on its own stream, after what it reduces
+            if self._partial is not None:  # the kept sums, added on the current stream
+                rt.completed(handle)
+                rt.read(rkey)
+                reduced = reduced[: S + F] + self._partial
+                self._partial = None
+                rkey = self.key("partial_sum")
+                rt.write(rkey)
+                handle = rt.launched(None)
+            ar = rt.stream("all_reduce")
+            for d in replica_dims:
+                rt.completed(handle, ar)  # after the reduce-scatter, or the previous dim's
+                with rt.use(ar):
+                    work = dist.all_reduce(reduced, op=dist.ReduceOp.SUM,
+                                           group=self.mesh.get_group(d), async_op=True)
+                    rt.launch("all_reduce", reads=(rkey,), writes=(rkey,))
+                    handle = rt.launched(work)
+        rt.completed(handle)
+        del source
         rt.read(rkey)
         if hook is not None:
             fn, stream = hook

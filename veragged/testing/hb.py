@@ -23,7 +23,7 @@ from typing import Any, Hashable, Iterator
 
 import torch
 
-from veragged.runtime.streams import ROLES, DeferringStreams, Handle, Streams, alloc_storage
+from veragged.runtime.streams import ROLES, DeferringStreams, Handle, Streams
 
 __all__ = ["Event", "Op", "Recorder", "VirtualStream"]
 
@@ -174,10 +174,8 @@ class Recorder(DeferringStreams):
     # --- memory ------------------------------------------------------------------------------
 
     def alloc(self, key, tensor, stream=None) -> None:
-        self.reclaim_key(key)
-        with self.use(stream):
-            alloc_storage(tensor)
-            op = self._op("alloc", None, key)
+        super().alloc(key, tensor, stream)
+        op = self._op("alloc", stream, key)
         old = self._hist.get(key)
         if old is not None and (old.write is not None or old.reads):
             # memory that was never freed (kept storage): reusing it is a write
