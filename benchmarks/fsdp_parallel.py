@@ -22,6 +22,9 @@ Columns (ratios veragged / torch; below 1 is better):
              excluded as they are the same on both sides;
   FSDP B     bytes FSDP wrote per step outside collectives (parameter + gradient paths, see
              [Note: what WriteCounter counts]), mean over ranks.
+On GPUs (`--device cuda`: 4 GPUs, NCCL) the step is timed to the end of its kernels and the
+table adds what a step allocates and reserves and the NCCL time a profiler trace shows, with
+the part of it hidden behind compute (as `benchmarks/fsdp_step.py --device cuda`).
 Prints a table and one JSON line (`--json`: only the JSON). About 2 minutes on 2 CPU cores.
 """
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -42,29 +46,40 @@ import veragged
 from veragged.testing.copies import WriteCounter
 from veragged.testing.llama import Llama, LlamaConfig, parallelize
 from veragged.testing.moe import MoE, MoEConfig, expert_parallel
-from veragged.testing.pool import get_pool
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fsdp_step  # noqa: E402  (device mesh, ranks, step memory of GPU runs)
+import trace_overlap  # noqa: E402
 
 BATCH, SEQ, VOCAB = 2, 32, 256
 FSDP_COLLECTIVES = ("allgather", "reduce_scatter", "allreduce")
 
 
-def _build(kind: str, layout: str, dim: int, layers: int):
-    """The model under `kind`'s fully_shard in `layout`; returns it and this rank's data index."""
+def _build(kind: str, layout: str, dim: int, layers: int, device: str = "cpu"):
+    """The model under `kind`'s fully_shard in `layout` on `device` ("cpu", or "cuda": this
+    rank's GPU); returns it and this rank's data index."""
     shard = veragged.fully_shard if kind == "veragged" else torch_fully_shard
     world = dist.get_world_size()
     torch.manual_seed(0)
+    if device == "cuda":
+        torch.cuda.set_device(dist.get_rank())
+    on_device = torch.device(device, torch.cuda.current_device()) if device == "cuda" else None
     if layout == "dp2xtp2":
-        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device, (world // 2, 2), mesh_dim_names=("dp", "tp"))
         model = Llama(LlamaConfig(vocab=VOCAB, dim=dim, layers=layers, heads=4,
                                   hidden=int(8 * dim / 3) // 2 * 2, max_seq=SEQ, fused=False))
+        if on_device is not None:
+            model.to(on_device)
         parallelize(model, mesh["tp"])
         for block in model.blocks:
             shard(block, mesh=mesh["dp"])
         shard(model, mesh=mesh["dp"])
         return model, mesh["dp"].get_local_rank()
-    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_mod_ep", "ep"))
+    mesh = init_device_mesh(device, (world // 2, 2), mesh_dim_names=("dp_mod_ep", "ep"))
     dp = mesh._flatten("dp")
     model = MoE(MoEConfig(vocab=VOCAB, dim=dim, layers=layers, experts=8, hidden=dim))
+    if on_device is not None:
+        model.to(on_device)
     expert_parallel(model, mesh["ep"])
     for block in model.blocks:
         shard(block.moe.experts, mesh=mesh["dp_mod_ep"])
@@ -101,21 +116,26 @@ def _padding_bytes(kind: str, model) -> float:
 
 
 def _step(model, opt, tokens) -> float:
+    """One step's time; on a GPU to the end of its kernels."""
+    fsdp_step._sync(tokens)
     t0 = time.perf_counter()
     model.loss(tokens).backward()
     veragged.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad()
+    fsdp_step._sync(tokens)
     return time.perf_counter() - t0
 
 
-def _worker(layout: str, dim: int, layers: int, steps: int) -> dict:
+def _worker(layout: str, dim: int, layers: int, steps: int, device: str = "cpu") -> dict:
     sides = {}
     for kind in ("torch", "veragged"):
-        model, data_rank = _build(kind, layout, dim, layers)
+        model, data_rank = _build(kind, layout, dim, layers, device)
         sides[kind] = (model, torch.optim.AdamW(model.parameters()))
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, VOCAB, (steps + 3, 8, BATCH, SEQ + 1), generator=g)[:, data_rank]
+    if device == "cuda":
+        data = data.cuda()
     for i in range(2):
         for kind in sides:
             _step(*sides[kind], data[i])
@@ -128,11 +148,17 @@ def _worker(layout: str, dim: int, layers: int, steps: int) -> dict:
             times[kind].append(t.item())
     out = {}
     for kind, (model, opt) in sides.items():
+        step_bytes, step_reserved = fsdp_step._step_memory(model, opt, data[-1])
+        nccl = trace_overlap.profile_step(lambda: _step(model, opt, data[-1])) \
+            if device == "cuda" else None
         with WriteCounter() as counter:
             _step(model, opt, data[-1])
         comm = sum(n for op, n in counter.collective_bytes.items()
                    if any(c in op for c in FSDP_COLLECTIVES))
         out[kind] = {
+            "step_alloc_bytes": step_bytes,
+            "step_reserved_bytes": step_reserved,
+            "nccl_overlap": nccl,
             "step_s": min(times[kind]),
             "step_median_s": statistics.median(times[kind]),
             "pad_bytes": _padding_bytes(kind, model),
@@ -154,26 +180,39 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--layouts", default="dp2xtp2,dp2xep2")
     parser.add_argument("--json", action="store_true")
+    fsdp_step.add_device_argument(parser, "; 4 ranks always")
     args = parser.parse_args(argv)
-    pool = get_pool(4, timeout_s=1200)
-    rows, record = [], {"world": 4, "steps": args.steps, "dim": args.dim, "layers": args.layers}
+    args.world = 4
+    run_job = fsdp_step.rank_runner(parser, args, timeout=1200)
+    rows, record = [], {"world": 4, "steps": args.steps, "dim": args.dim, "layers": args.layers,
+                        "device": args.device if args.device == "cpu"
+                        else torch.cuda.get_device_name(0)}
+    gpu = args.device == "cuda"
     for layout in args.layouts.split(","):
-        per_rank = pool.run(_worker, layout, args.dim, args.layers, args.steps)
+        per_rank = run_job(_worker, layout, args.dim, args.layers, args.steps, args.device)
         r = {k: {key: _mean(per_rank, k, key)
                  for key in ("pad_bytes", "comm_bytes", "fsdp_bytes")} for k in per_rank[0]}
         for k in r:
-            r[k]["step_s"] = per_rank[0][k]["step_s"]
-            r[k]["step_median_s"] = per_rank[0][k]["step_median_s"]
+            for key in ("step_s", "step_median_s", "step_alloc_bytes", "step_reserved_bytes",
+                        "nccl_overlap"):
+                r[k][key] = per_rank[0][k][key]
         record[layout] = r
         rows.append((layout, r))
     if not args.json:
         head = f"{'layout':9} {'side':9} {'step ms':>8} {'pad B':>10} {'comm B':>12} {'FSDP B':>12}"
-        print(head)
+        print(head + (f" {'alloc MB':>9} {'reserved MB':>11} {'NCCL ms':>8} {'hidden':>6}"
+                      if gpu else ""))
         for layout, r in rows:
             for k in ("torch", "veragged"):
                 x = r[k]
+                extra = ""
+                if gpu:
+                    ov = x["nccl_overlap"]
+                    extra = (f" {x['step_alloc_bytes'] / 2**20:9.1f} "
+                             f"{x['step_reserved_bytes'] / 2**20:11.1f} "
+                             f"{ov['nccl_us'] / 1e3:8.2f} {ov['hidden']:6.0%}")
                 print(f"{layout:9} {k:9} {x['step_s'] * 1e3:8.1f} {x['pad_bytes']:10.0f} "
-                      f"{x['comm_bytes']:12.0f} {x['fsdp_bytes']:12.0f}")
+                      f"{x['comm_bytes']:12.0f} {x['fsdp_bytes']:12.0f}{extra}")
             t, v = r["torch"], r["veragged"]
             ratio = [v[k] / t[k] if t[k] else float("nan")
                      for k in ("step_s", "pad_bytes", "comm_bytes", "fsdp_bytes")]

@@ -33,8 +33,11 @@ spans them all.
 
 On a GPU (`--device cuda`: one GPU per rank, NCCL; fresh processes) the step is timed to the end
 of its kernels, the phases as the host issues them, and the JSON line adds `step_alloc_bytes`:
-what a step allocates above what was allocated before it (`torch.cuda.max_memory_allocated`),
-also printed as "step alloc MB".
+what a step allocates above what was allocated before it (`torch.cuda.max_memory_allocated`,
+"step alloc MB"), `step_reserved_bytes`: what the caching allocator reserves for a step above
+what it held before it, its cache emptied first (`torch.cuda.max_memory_reserved`, "reserved
+MB"), and `nccl_overlap`: from a profiler trace of one step, the NCCL kernels' time ("NCCL ms")
+and the part of it overlapped by compute kernels ("hidden"; see benchmarks/trace_overlap.py).
 
 Targets (issue 11): step time <= 0.9x torch's, FSDP bytes <= 0.5x (gradient path <= torch's,
 parameter path 0). Prints a table and one JSON line (`--json`: only the JSON).
@@ -47,6 +50,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -61,10 +65,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import veragged
-from veragged.testing.multiprocess import run_on_ranks
-from veragged.testing.pool import get_pool
 from veragged.testing.copies import BUCKETS, WriteCounter
 from veragged.testing.llama import Llama, LlamaConfig, RMSNorm, muon_param_groups
+from veragged.testing.multiprocess import run_on_ranks
+from veragged.testing.pool import get_pool
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import trace_overlap  # noqa: E402  (NCCL time hidden behind compute, GPU runs)
 
 BATCH, SEQ, VOCAB = 2, 32, 256
 OPTIMIZERS = ("adamw", "muon", "adamw8bit")
@@ -182,15 +189,19 @@ def _step(model, opt, tokens) -> list[float]:
     return [time.perf_counter() - t0, t1 - t0, t2 - t1, t3 - t2]
 
 
-def _step_memory(model, opt, tokens) -> int:
-    """Bytes a step allocates above what was allocated before it (GPU only; 0 on the CPU)."""
+def _step_memory(model, opt, tokens) -> tuple[int, int]:
+    """Bytes a step allocates above what was allocated before it, and bytes the caching
+    allocator reserves above what it held before it (cached free blocks returned first, so
+    that the other side's cache does not serve this one). GPU only; (0, 0) on the CPU."""
     if not tokens.is_cuda:
-        return 0
+        return 0, 0
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    torch.cuda.empty_cache()
+    base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
     _step(model, opt, tokens)
-    return torch.cuda.max_memory_allocated() - base
+    return (torch.cuda.max_memory_allocated() - base,
+            torch.cuda.max_memory_reserved() - base_reserved)
 
 
 def device_mesh(device: str):
@@ -213,7 +224,7 @@ def rank_runner(parser: argparse.ArgumentParser, args, timeout: float):
         parser.error(f"--device cuda --world {args.world}: {torch.cuda.device_count()} CUDA "
                      "device(s) visible, one per rank needed")
     if args.device == "cpu":
-        pool = get_pool(args.world)
+        pool = get_pool(args.world, device="cpu")
         return lambda worker, *job: pool.run(worker, *job, timeout=timeout)
     return lambda worker, *job: run_on_ranks(worker, args.world, args=job,
                                              backend="cpu:gloo,cuda:nccl", timeout=timeout)
@@ -247,7 +258,10 @@ def _worker(kinds: tuple, model_name: str, spec: dict, opt_name: str, steps: int
             times[k].append(t.tolist())
     results = {}
     for k in kinds:
-        step_bytes = _step_memory(*sides[k], local[-1])
+        step_bytes, step_reserved = _step_memory(*sides[k], local[-1])
+        # NCCL time hidden behind compute, from a profiler trace of one step (GPU only)
+        nccl = trace_overlap.profile_step(lambda: _step(*sides[k], local[-1])) \
+            if device == "cuda" else None
         with WriteCounter() as counter:
             _step(*sides[k], local[-1])
         fsdp_ops = sorted(((n, b, op, site) for (b, op, site), n in counter.ops.items()
@@ -263,6 +277,8 @@ def _worker(kinds: tuple, model_name: str, spec: dict, opt_name: str, steps: int
             "tensors": n_tensors,
             "params": numel,
             "step_alloc_bytes": step_bytes,
+            "step_reserved_bytes": step_reserved,
+            "nccl_overlap": nccl,
         }
     return results
 
@@ -370,14 +386,20 @@ def main(argv=None):
     )
     gpu = args.device == "cuda"
     print(f"\n{'model':6} {'optim':9} {'side':8} {'fwd+bwd ms':>10} {'clip ms':>8} "
-          f"{'optim ms':>8}" + (f" {'step alloc MB':>13}" if gpu else "")
+          f"{'optim ms':>8}" + (f" {'step alloc MB':>13} {'reserved MB':>11} {'NCCL ms':>8} "
+                                f"{'hidden':>6}" if gpu else "")
           + "   (the fastest step's phases" + (", as the host issues them)" if gpu else ")"),
           file=out)
     for r in rows:
         for kind in ("torch", "veragged"):
             if kind in r:
                 ph = r[kind]["phase_s"]
-                mem = f" {r[kind]['step_alloc_bytes'] / 2**20:13.1f}" if gpu else ""
+                mem = ""
+                if gpu:
+                    ov = r[kind]["nccl_overlap"]
+                    mem = (f" {r[kind]['step_alloc_bytes'] / 2**20:13.1f} "
+                           f"{r[kind]['step_reserved_bytes'] / 2**20:11.1f} "
+                           f"{ov['nccl_us'] / 1e3:8.2f} {ov['hidden']:6.0%}")
                 print(f"{r['model']:6} {r['optimizer']:9} {kind:8} {ph['fwd_bwd'] * 1e3:10.1f} "
                       f"{ph['clip'] * 1e3:8.1f} {ph['optim'] * 1e3:8.1f}{mem}", file=out)
     print(json.dumps({

@@ -294,7 +294,8 @@ def main(argv=None) -> int:
     spec = {"dim": args.dim, "layers": args.layers, "rank": args.rank}
     rows = []
     for world in worlds:
-        per_rank = get_pool(world, timeout_s=300).run(_worker, spec, scenarios, warmup)
+        pool = get_pool(world, timeout_s=300, device="cpu")
+        per_rank = pool.run(_worker, spec, scenarios, warmup)
         for scenario in scenarios:
             r = {"world": world, "scenario": scenario}
             for kind in SIDES:

@@ -149,7 +149,7 @@ def step_times(dim, layers, step_counts):
     own model and optimizer)."""
     from veragged.testing.pool import get_pool
 
-    pool = get_pool(WORLD)
+    pool = get_pool(WORLD, device="cpu")
     rows = {}
     for name in OPTIMIZERS:
         warmup, steps = step_counts[name]

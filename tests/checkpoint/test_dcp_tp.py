@@ -44,6 +44,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import veragged
 from veragged import RaggedShard, StridedRaggedShard
+from veragged.testing.device import mesh_device
 from veragged.testing.pool import get_pool
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -125,7 +126,7 @@ def _mesh(shape: tuple[int, ...]) -> tuple[DeviceMesh, object]:
     """
     names = ("rep", "dp", "tp")[-len(shape):]
     if math.prod(shape) == dist.get_world_size():
-        mesh, group = init_device_mesh("cpu", shape, mesh_dim_names=names), None
+        mesh, group = init_device_mesh(mesh_device(), shape, mesh_dim_names=names), None
     else:  # every rank joins the process groups' creation; only members use them
         ranks = list(range(math.prod(shape)))
         mesh = DeviceMesh("cpu", torch.arange(len(ranks)).view(shape), mesh_dim_names=names)

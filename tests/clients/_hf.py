@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from veragged.testing.device import mesh_device
+
 CASES = ("llama_lora", "qwen3_moe")
 VOCAB, SEQ, BATCH = 512, 16, 2
 
@@ -93,7 +95,7 @@ def _run(fully_shard, case: str, steps: int) -> dict:
     full_sd = {k: v.clone() for k, v in reference.state_dict().items()}
     del reference
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(mesh_device(), (world,))
     torch.manual_seed(1 + rank)  # whatever init_weights draws is overwritten below
     model = _build(case, "meta")
     for layer in _layers(model):

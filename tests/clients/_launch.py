@@ -19,7 +19,7 @@ _POOLS: dict[int, RankPool] = {}
 def client_pool(world_size: int, timeout_s: float = 600.0) -> RankPool:
     """The session's pool of `world_size` ranks for client jobs (created on first use)."""
     if world_size not in _POOLS:
-        _POOLS[world_size] = RankPool(world_size, timeout_s)
+        _POOLS[world_size] = RankPool(world_size, timeout_s, device="cpu")  # clients run on CPU
     return _POOLS[world_size]
 
 

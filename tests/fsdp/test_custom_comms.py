@@ -28,7 +28,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-    ProcessGroupAllocAllGather, ProcessGroupAllocReduceScatter,
+    ProcessGroupAllocAllGather,
+    ProcessGroupAllocReduceScatter,
 )
 from torch.distributed.tensor import DTensor, Shard
 
@@ -37,6 +38,7 @@ from tests.fsdp._reference import Block
 from veragged.dbuffer import comms as dbuffer_comms
 from veragged.fsdp import comms as fsdp_comms
 from veragged.testing import get_mesh, run_on_ranks
+from veragged.testing.device import mesh_device
 
 # torch 2.11 has no set_separate_reduce_scatter_group (its side then runs on the shared group:
 # the same sums) and no ShardPlacementResult (the two-mesh errors are then not compared).
@@ -383,11 +385,12 @@ def _errors(impl: str):
            lambda: model.set_allocate_memory_from_process_group_for_comm(False))
     # parameters on two meshes in one call: which mesh's comm would it be?
     world = dist.get_world_size()
-    dense = init_device_mesh("cpu", (world,))
-    other = init_device_mesh("cpu", (world, 1), mesh_dim_names=("a", "b"))["b"]
+    dense = init_device_mesh(mesh_device(), (world,))
+    other = init_device_mesh(mesh_device(), (world, 1), mesh_dim_names=("a", "b"))["b"]
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_common import (
-            FSDPMeshInfo, ShardPlacementResult,
+            FSDPMeshInfo,
+            ShardPlacementResult,
         )
     except ImportError:  # torch 2.11: no per-parameter meshes
         ShardPlacementResult = None

@@ -10,12 +10,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
+from tests.fsdp._reference import full as _full
+from tests.fsdp._reference import one_process
+from tests.fsdp._reference import optimizer as _optimizer
+from tests.fsdp.test_lifecycle import IMPLS, TORCH_HAS_UNUSED_PARAMS_MODE, _same
 from veragged.placement import StridedRaggedShard
+from veragged.testing.device import mesh_device
 from veragged.testing.moe import MoE, MoEConfig, expert_parallel
 from veragged.testing.pool import get_pool
-
-from tests.fsdp._reference import full as _full, one_process, optimizer as _optimizer
-from tests.fsdp.test_lifecycle import IMPLS, TORCH_HAS_UNUSED_PARAMS_MODE, _same
 
 CFG = MoEConfig(experts=4, top_k=2)
 
@@ -28,7 +30,7 @@ def _tokens(step: int, rank: int) -> torch.Tensor:
 def _shard_moe(impl, cfg, ep, chunk_experts=False, unused_params=False):
     """`cfg`'s MoE under `impl`'s fully_shard in torchtitan's dp_shard_in_ep layout."""
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp_mod_ep", "ep"))
+    mesh = init_device_mesh(mesh_device(), (world // ep, ep), mesh_dim_names=("dp_mod_ep", "ep"))
     dp = mesh._flatten("dp")
     torch.manual_seed(0)
     model = MoE(cfg)

@@ -21,6 +21,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 
 import veragged
+from veragged.testing.device import mesh_device
 from veragged.testing.pool import get_pool
 
 pytestmark = pytest.mark.skipif(
@@ -40,7 +41,7 @@ def _stage_module(stage: int) -> nn.Sequential:
 
 
 def _pipeline(impl: str, schedule_cls) -> dict:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh(mesh_device(), (2, 2), mesh_dim_names=("pp", "dp"))
     stage = mesh["pp"].get_local_rank()
     module = _stage_module(stage)
     for layer in module:

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from veragged.testing import routing
+from veragged.testing.device import mesh_device
 from veragged.testing.pool import get_pool
 
 WORLD, STEPS = 4, 3
@@ -37,8 +38,9 @@ TORCH_HAS_UNUSED_PARAMS_MODE = hasattr(TorchFSDPModule, "set_reduce_scatter_unus
 
 def _mesh(hsdp: bool):
     if hsdp:
-        return init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh("cpu", (WORLD,))
+        return init_device_mesh(mesh_device(), (2, WORLD // 2),
+                                mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(mesh_device(), (WORLD,))
 
 
 def _coverage(model) -> dict:

@@ -17,19 +17,21 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import veragged
+from tests.fsdp._reference import full as _full
+from tests.fsdp._reference import one_process
+from tests.fsdp._reference import optimizer as _optimizer
+from tests.fsdp.test_lifecycle import IMPLS, _same
 from veragged.placement import RaggedShard, StridedRaggedShard
+from veragged.testing.device import mesh_device
 from veragged.testing.llama import Llama, LlamaConfig, parallelize
 from veragged.testing.pool import get_pool
-
-from tests.fsdp._reference import full as _full, one_process, optimizer as _optimizer
-from tests.fsdp.test_lifecycle import IMPLS, _same
 
 CFG = LlamaConfig(fused=False, layers=2, hidden=96)
 _NAMES = {2: ("dp", "tp"), 3: ("dp_replicate", "dp_shard", "tp")}
 
 
 def _meshes(mesh_shape):
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=_NAMES[len(mesh_shape)])
+    mesh = init_device_mesh(mesh_device(), mesh_shape, mesh_dim_names=_NAMES[len(mesh_shape)])
     dp = mesh["dp"] if len(mesh_shape) == 2 else mesh["dp_replicate", "dp_shard"]
     return mesh, dp, mesh["tp"]
 
@@ -186,7 +188,10 @@ def test_llama_tp_runtime_paths_match_torch(variant):
 
 def _parallelize_mlp_stack(impl, mlp_dim, seq_parallel):
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module,
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
     )
     from torch.testing._internal.common_fsdp import MLPStack
 
@@ -310,7 +315,7 @@ def test_dcp_round_trips_with_torch_fsdp_tp(direction):
 
 def _bad_inputs():
     mesh, dp, tp = _meshes((2, 2))
-    whole = init_device_mesh("cpu", (4,), mesh_dim_names=("w",))
+    whole = init_device_mesh(mesh_device(), (4,), mesh_dim_names=("w",))
     msgs = []
 
     def expect(exc, fn):

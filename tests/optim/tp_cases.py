@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import veragged
 from veragged import StridedRaggedShard
+from veragged.testing.device import mesh_device
 
 MESHES = {"2d": ((2, 2), ("dp", "tp")), "3d": ((2, 2, 2), ("rep", "dp", "tp"))}
 WORLD = {kind: math.prod(shape) for kind, (shape, _) in MESHES.items()}
@@ -27,7 +28,7 @@ WORLD = {kind: math.prod(shape) for kind, (shape, _) in MESHES.items()}
 
 def mesh_of(kind: str):
     shape, names = MESHES[kind]
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return init_device_mesh(mesh_device(), shape, mesh_dim_names=names)
 
 
 def srs(dims, units, tp=2):

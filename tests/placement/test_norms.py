@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from test_ops_reductions_random import _cases  # the same layouts: empty ranks, whole tensors
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -20,9 +21,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import veragged
 from veragged import RaggedShard, StridedRaggedShard
+from veragged.testing.device import mesh_device
 from veragged.testing.pool import get_pool
-
-from test_ops_reductions_random import _cases  # the same layouts: empty ranks, whole tensors
 
 ORDS = (2, 1, 3, 0.5, -1, math.inf, -math.inf, 0)
 funcol_all_reduce = torch.ops.c10d_functional.all_reduce
@@ -83,7 +83,7 @@ def _ragged(got, want, placements):
 
 
 def _one_d(world):
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(mesh_device(), (world,))
     g = torch.Generator().manual_seed(3)
     res = {}
     for shape, p in _cases(world):
@@ -299,7 +299,7 @@ def _foreach_and_clip(mesh, world):
 
 def _two_d():
     """2x2 mesh: the ragged split next to TP/EP Shard placements."""
-    mesh = init_device_mesh("cpu", (2, 2))
+    mesh = init_device_mesh(mesh_device(), (2, 2))
     g = torch.Generator().manual_seed(7)
     res = {}
 

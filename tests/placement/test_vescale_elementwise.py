@@ -39,6 +39,7 @@ from veragged.testing.cases import (
     run_groups,
     shape_units_cases,
 )
+from veragged.testing.device import mesh_device
 
 WORLD = 4
 
@@ -77,7 +78,7 @@ def _run_add(dtensor):
 
 def _ranks():
     mesh = get_mesh()
-    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "ep"))
+    mesh2 = init_device_mesh(mesh_device(), (2, 2), mesh_dim_names=("fsdp", "ep"))
 
     def ragged(shape, dims, units):
         tensor = torch.zeros(32, 128, dtype=torch.int64).view(shape)

@@ -40,6 +40,7 @@ from veragged.testing.cases import (
     run_groups,
     shape_units_cases,
 )
+from veragged.testing.device import mesh_device
 
 WORLD = 4
 
@@ -91,7 +92,7 @@ NORM_TESTS = [
 
 def _ranks():
     mesh = get_mesh()
-    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "ep"))
+    mesh2 = init_device_mesh(mesh_device(), (2, 2), mesh_dim_names=("fsdp", "ep"))
 
     def ragged(norm_dim, shape, dims, units):
         tensor = torch.arange(0, 32 * 128, dtype=torch.float32).view(shape)

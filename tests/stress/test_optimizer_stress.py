@@ -25,9 +25,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import veragged
-from veragged.testing import get_mesh, run_on_ranks
+from veragged.testing import get_mesh, routing, run_on_ranks
+from veragged.testing.device import mesh_device
 from veragged.testing.grads import set_grads
-from veragged.testing import routing
 from veragged.testing.llama import Llama, LlamaConfig, muon_param_groups
 from veragged.testing.pool import get_pool
 
@@ -142,7 +142,7 @@ ROUTING_PERTURBATION = 2.0**-22
 def _routing_stress(name, steps, sample, path):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (ROUTING_WORLD,))
+    mesh = init_device_mesh(mesh_device(), (ROUTING_WORLD,))
     saved = []
 
     def on_sample(step, model, opt):

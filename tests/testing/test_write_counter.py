@@ -1,6 +1,7 @@
 """WriteCounter: known op sequences give known byte counts; FSDPPaths attributes them (a stand-in
 FSDP module in one process, then torch's and veragged's fully_shard on 2 gloo ranks)."""
 
+import _fake_fsdp
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,9 +10,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-import _fake_fsdp
 import veragged
 from veragged.testing.copies import FSDPPaths, WriteCounter
+from veragged.testing.device import mesh_device
 from veragged.testing.pool import get_pool
 
 F32 = 4
@@ -102,7 +103,7 @@ def test_fsdp_paths_follow_function_names_and_fsdp_owned_gradient_storage():
 
 
 def _collectives():
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = init_device_mesh(mesh_device(), (2,))
     full = torch.randn(16, 4)
     d = torch.distributed.tensor.distribute_tensor(full, mesh, [torch.distributed.tensor.Shard(0)])
     res = {}
@@ -141,7 +142,7 @@ class _Block(nn.Module):
 
 
 def _attribution(kind, mp):
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = init_device_mesh(mesh_device(), (2,))
     torch.manual_seed(0)
     model = nn.Sequential(_Block(8), _Block(8))
     x = torch.randn(4, 8)

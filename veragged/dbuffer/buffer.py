@@ -148,6 +148,7 @@ class DBuffer(GradientPath):
         self._gather_stage = None  # (comm's staging buffer, the all-gather output) until the wait
         self._reduce = None  # a launched reduce-scatter and how to finish it
         self._pending = None  # verdicts still being read after it finished (grads.py)
+        self._landing = None  # offloaded gradients still arriving on the host (grads.py)
 
     def _place(self, tensors, block_sizes, align: int) -> int:
         """Plan where each tensor lives: sets `self.entries` (and `self.layout`), returns S."""

@@ -68,6 +68,18 @@ optimizer step in backward) run when the gradient is bound, so for the others at
 backward.
 (tests/fsdp/test_routing.py: ranks reaching different experts, holding none of some, through
 clipping, the optimizers, GradScaler and DCP; tests/stress: the same over many steps.)
+
+[Note: offloaded gradients]
+With CPU offload the sharded gradients live in (pinned) host memory, where the optimizer steps.
+Inside backward a group's reduced gradients are not waited for: `finish_reduce(defer=True)`
+starts their copy to a pinned host tensor (non-blocking, an event recorded after it) and leaves
+the host-side write (cast, scale, accumulation into earlier sums) and the binding of `.grad` to
+`resolve_grads` at the end of backward, which waits for the event first; torch's FSDP2 likewise
+copies with `non_blocking=True` and waits for its offload events in `finalize_backward`. So
+backward issues every group's reduce-scatter and copy without a host sync per group. The same
+deferral runs on the CPU (with a plain copy and no event), where tests/fsdp/test_cpu_offload.py
+and the happens-before loop with offload exercise it. Outside backward (an explicit reduction)
+the copy is synchronous.
 """
 
 from __future__ import annotations
@@ -89,6 +101,14 @@ __all__ = ["FLAG_ALIGN_BYTES", "GradientPath"]
 # gradient slot then still starts 16-byte aligned, which vectorised loads and NCCL's copies
 # want, and a buffer of up to 4 fp32 tensors sends 16 bytes of flags per rank, not 256.
 FLAG_ALIGN_BYTES = 16
+
+
+def _start_copy_to_host(t: torch.Tensor):
+    """Start copying `t` into a host tensor of its own: (host tensor, event to wait for before
+    reading it, or None where `t` is on the CPU and the copy is done)."""
+    if t.device.type == "cpu":
+        return t.clone(), None
+    return _start_read(t)
 
 
 def _start_read(t: torch.Tensor):
@@ -321,9 +341,11 @@ class GradientPath(GradientLayout):
             # get fresh memory, as torch's get a fresh reduce-scatter output, so a reference
             # the user kept to an earlier `.grad` keeps its values.
             self._shard_grad = None
+        # Offloaded buffers never reduce into the shard gradient directly: on a device it lives
+        # on the host, and a CPU mesh takes the same path ([Note: offloaded gradients]).
         direct = (
             comm is None and self.world > 1 and scale == 1.0 and self.reduce_dtype == self.dtype
-            and self.device == self.compute_device and self._partial is None
+            and not self.offload and self._partial is None
             and (all_reduce or not self._replica_dims())
             and not (accumulate and any(self._bound(p) for p in self.params))
         )
@@ -457,7 +479,12 @@ class GradientPath(GradientLayout):
         verdict = None
         if asked and F:
             verdict = _start_read(reduced[S : S + F] != 0)
-        if reduced.device != self.device:  # offloaded: the optimizer steps on host shards
+        # Offloaded (the optimizer steps on host shards) inside backward: the reduced gradients
+        # go to the host without waiting for them ([Note: offloaded gradients]).
+        land_later = self.offload and defer and not direct
+        if land_later:
+            arriving = _start_copy_to_host(reduced[:S])
+        elif reduced.device != self.device:  # offloaded, outside backward: here and now
             reduced = reduced[:S].to(self.device)
         if self._shard_grad is None:
             self._shard_grad = self._new_shard_grad()
@@ -467,30 +494,41 @@ class GradientPath(GradientLayout):
                  if b and not self._bound(p)]
         if not direct:
             rt.write(self.key("shard_grad"))
-        if direct:
-            pass  # the reduce-scatter wrote them
-        elif accumulate and any(self._bound(p) for p in self.params):
-            # Some sharded gradients (of any tensor, reached or not) hold earlier sums: add to
-            # them; tensors whose .grad was dropped (set to None) start again from zero. A
-            # tensor no rank reached adds +0.0, which changes no bit of a sum of landed
-            # gradients (never -0.0).
-            ops.zero_ranges_(self._shard_grad, fresh)
-            ops.accumulate_(self._shard_grad[:S], reduced[:S], scale)
-        else:  # no earlier sums (zero_grad() set them to None): one pass writes them all
-            ops.cast_scale_(self._shard_grad[:S], reduced[:S], scale)
+        # Some sharded gradients (of any tensor, reached or not) hold earlier sums: add to them.
+        add = accumulate and any(self._bound(p) for p in self.params)
+        if not direct and not land_later:
+            self._write_shard_grad(reduced[:S], add, scale, fresh)
         now = list(bind)
         for i in asked:
             now[i] = False
         if verdict is None and asked:  # a mesh of one rank: its own backward is the verdict
             asked = []
-        self._bind_grads([i for i in range(n) if now[i]], accumulate)
+        bound_now = [i for i in range(n) if now[i]]
+        if land_later:
+            self._landing = (arriving, add, scale, fresh, bound_now, accumulate)
+            now = [False] * n
+        else:
+            self._bind_grads(bound_now, accumulate)
         self._release_reduced(temp)
         if asked:
             self._pending = (verdict, [(i, self._flag_of[i]) for i in asked], accumulate)
-            if not defer:
-                late = self.resolve_grads()
-                now = [a or b for a, b in zip(now, late)]
+        if (asked or land_later) and not defer:
+            late = self.resolve_grads()
+            now = [a or b for a, b in zip(now, late)]
         return [a or b for a, b in zip(done, now)]
+
+    def _write_shard_grad(self, reduced: torch.Tensor, add: bool, scale, fresh) -> None:
+        """Write this rank's S reduced gradient elements into the shard gradient: added to the
+        earlier sums with `add` (the tensors in `fresh`, whose .grad was dropped, start again
+        from zero; a tensor no rank reached adds +0.0, which changes no bit of a sum of landed
+        gradients, never -0.0), else written in one pass (no earlier sums: zero_grad() set them
+        to None); cast and scaled on the way."""
+        S = self._grad_slot
+        if add:
+            ops.zero_ranges_(self._shard_grad, fresh)
+            ops.accumulate_(self._shard_grad[:S], reduced, scale)
+        else:
+            ops.cast_scale_(self._shard_grad[:S], reduced, scale)
 
     def _release_reduced(self, temp: torch.Tensor | None) -> None:
         """Free the gradient buffer (allocated and last read on the current stream, which the
@@ -505,6 +543,15 @@ class GradientPath(GradientLayout):
         pending (waiting for its read: [Note: unreached parameters]); returns, per tensor,
         whether its gradient was written now."""
         written = [False] * len(self.params)
+        landing, self._landing = self._landing, None
+        if landing is not None:  # [Note: offloaded gradients]
+            (host, event), add, scale, fresh, bound_now, accumulate = landing
+            if event is not None:
+                event.synchronize()
+            self._write_shard_grad(host, add, scale, fresh)
+            self._bind_grads(bound_now, accumulate)
+            for i in bound_now:
+                written[i] = True
         pending, self._pending = self._pending, None
         if pending is None:
             return written

@@ -183,19 +183,22 @@ def _foreach_norm(tensors, ord=2, dtype=None):
             _check_grad("_foreach_norm", t, dtype or t.dtype.to_real())
     # A shard with no element (of a tensor with some) holds the reduction's identity; the others
     # (and tensors with no element anywhere: torch's result or error) take torch's kernel.
+    # Every read below is of the local tensor or the spec: a metadata read of the DTensor itself
+    # (`t.numel()`, `t.device`) would enter its `__torch_function__`, per tensor.
     locals_ = [t._local_tensor for t in tensors]
     if all(x.numel() for x in locals_):
         values = torch._foreach_norm(locals_, ord, dtype=dtype) if locals_ else []
     else:
-        computed = [i for i, t in enumerate(tensors) if locals_[i].numel() or not t.numel()]
+        computed = [i for i, (t, x) in enumerate(zip(tensors, locals_))
+                    if x.numel() or not t._spec.tensor_meta.shape.numel()]
         some = [locals_[i] for i in computed]
         norms = dict(zip(computed, torch._foreach_norm(some, ord, dtype=dtype) if some else ()))
         # The identities: one fill per (dtype, device), unbound into 0-dim views (one launch,
         # and no copy from host memory, where a device would sync)
         empty: dict = {}
-        for i, t in enumerate(tensors):
+        for i, x in enumerate(locals_):
             if i not in norms:
-                empty.setdefault((dtype or t.dtype.to_real(), t.device), []).append(i)
+                empty.setdefault((dtype or x.dtype.to_real(), x.device), []).append(i)
         for (dt, device), idx in empty.items():
             filled = torch.full((len(idx),), math.inf if ord < 0 else 0.0, dtype=dt,
                                 device=device)

@@ -58,6 +58,7 @@ from torch.testing._internal import common_fsdp
 from torch.testing._internal.common_utils import TestCase, set_rng_seed
 
 from veragged.placement import distribute_tensor
+from veragged.testing.device import test_device
 from veragged.testing.pool import get_pool
 
 __all__ = ["IMPLS", "DEFAULT_TIMEOUT_S", "FSDPTest", "RegisterPostBackwardFunction",
@@ -69,7 +70,7 @@ IMPLS = ("torch", "veragged")
 DEFAULT_TIMEOUT_S = 120.0
 _POOL_START_ALLOWANCE_S = 180.0  # pytest-timeout: the class's limit plus a (re)start of the pool
 _PYTEST_TIMEOUT = importlib.util.find_spec("pytest_timeout") is not None
-device_type = "cpu"
+device_type = test_device()  # "cpu", or "cuda" under VERAGGED_TEST_DEVICE=cuda
 
 _IMPL = "torch"  # implementation under test in this (rank) process; set by _run_test
 _IN_RANK = False  # True while a rank runs a shipped test body
@@ -106,6 +107,7 @@ class _FullyShard:
         if other is self:
             return True
         from torch.distributed.fsdp import fully_shard as torch_impl
+
         from veragged import fully_shard as veragged_impl
         return other is torch_impl or other is veragged_impl
 

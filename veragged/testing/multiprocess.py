@@ -28,6 +28,7 @@ from veragged.testing._procs import (
     _raise_failures,
     _shutdown,
 )
+from veragged.testing.device import backend_for, check_devices, enter_rank, mesh_device, test_device
 from veragged.testing.pool import get_pool
 
 if TYPE_CHECKING:  # torch is imported lazily so that importing this module stays cheap.
@@ -67,8 +68,9 @@ def run_on_ranks(
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` ranks (processes) and collect the results.
 
-    Each rank runs in its own process with `torch.distributed` initialised, a CPU device mesh
-    available through `get_mesh()`, one intra-op thread, and `torch.manual_seed(0)` applied
+    Each rank runs in its own process with `torch.distributed` initialised, a device mesh
+    available through `get_mesh()` (CPU; CUDA under `VERAGGED_TEST_DEVICE=cuda`, see
+    veragged.testing.device), one intra-op thread, and `torch.manual_seed(0)` applied
     identically on every rank so that tests can build the same data everywhere. As soon as a
     rank fails, the others (usually blocked in a collective) are killed after a short grace
     period; every wait is bounded by `timeout`.
@@ -112,8 +114,12 @@ def run_on_ranks(
         raise TypeError(f"run_on_ranks: fn and its arguments must be picklable "
                         f"(define fn at module level): {exc!r}") from exc
     label = f"run_on_ranks({getattr(fn, '__qualname__', fn)!s}, world_size={world_size})"
+    device = test_device()
     if fresh or backend != "gloo":
-        config = (world_size, mesh_shape, names, backend, float(timeout), os.getpid())
+        check_devices(device, world_size)
+        if device != "cpu" and backend == "gloo":
+            backend = backend_for(device)
+        config = (world_size, mesh_shape, names, backend, float(timeout), os.getpid(), device)
         return _spawn_ranks(label, config, job, timeout)
     return get_pool(world_size)._run(_on_mesh, (fn, mesh_shape, names, args, kwargs), {},
                                      float(timeout), label)
@@ -126,7 +132,7 @@ def _on_mesh(fn: Callable[..., Any], mesh_shape: tuple[int, ...],
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    _MESH = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_dim_names)
+    _MESH = init_device_mesh(mesh_device(), mesh_shape, mesh_dim_names=mesh_dim_names)
     try:
         torch.manual_seed(0)  # identical on every rank on purpose: same data everywhere
         return fn(*args, **kwargs)
@@ -184,7 +190,7 @@ def _check_mesh(world_size, mesh_shape, mesh_dim_names) -> tuple[int, ...]:
 def _child_main(rank: int, config: tuple, job: bytes, tmpdir: str, writer) -> None:
     """Entry point of each spawned rank: set up, run the job, send one report, tear down."""
     global _MESH, _STACK_FILE
-    world_size, mesh_shape, mesh_dim_names, backend, timeout, parent_pid = config
+    world_size, mesh_shape, mesh_dim_names, backend, timeout, parent_pid, device = config
     _die_with_parent(parent_pid)
     _STACK_FILE = open(os.path.join(tmpdir, f"rank{rank}.stack"), "w")
     faulthandler.enable(file=_STACK_FILE, all_threads=True)  # stacks of a crash (e.g. SIGSEGV)
@@ -198,11 +204,12 @@ def _child_main(rank: int, config: tuple, job: bytes, tmpdir: str, writer) -> No
     kind = "error"
     try:
         torch.set_num_threads(1)
+        enter_rank(device, rank)
         fn, args, kwargs = pickle.loads(job)
         store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
-        _MESH = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_dim_names)
+        _MESH = init_device_mesh(device, mesh_shape, mesh_dim_names=mesh_dim_names)
         torch.manual_seed(0)  # identical on every rank on purpose: same data everywhere
         result = fn(*args, **kwargs)
         try:

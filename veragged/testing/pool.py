@@ -45,11 +45,12 @@ from veragged.testing._procs import (
     _raise_failures,
     _shutdown,
 )
+from veragged.testing.device import backend_for, check_devices, enter_rank, test_device
 
 __all__ = ["RankPool", "get_pool", "shutdown_pools"]
 
 _STACK_FILE = None  # kept open in workers: faulthandler writes to its file descriptor
-_POOLS: dict[int, "RankPool"] = {}
+_POOLS: dict[tuple[int, str], "RankPool"] = {}
 # A rank with more threads than this after a job (a fresh one has ~10; each live gloo group adds
 # a few, see `_release_job_groups`) is restarted with its pool before the next job.
 _RECYCLE_THREADS = 64
@@ -62,11 +63,15 @@ class RankPool:
         world_size: number of ranks (processes), at least 1.
         timeout_s: default limit in seconds of one `run` (also of the start-up and of each
             collective, through the process group timeout).
+        device: "cpu" (gloo ranks) or "cuda" (rank r on GPU r, NCCL for CUDA tensors; see
+            veragged.testing.device); default: the harness's, `VERAGGED_TEST_DEVICE`.
     """
 
-    def __init__(self, world_size: int, timeout_s: float = 120.0):
+    def __init__(self, world_size: int, timeout_s: float = 120.0, device: Optional[str] = None):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        self.device = device or test_device()
+        backend_for(self.device)  # names a bad device now, not in the ranks
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
         self._procs: list = []
@@ -127,7 +132,7 @@ class RankPool:
     def _spawn(self) -> None:
         self._tmpdir = tempfile.mkdtemp(prefix="veragged_pool_")
         ctx = get_context("spawn")
-        config = (self.world_size, self.timeout_s, os.getpid(), self._tmpdir)
+        config = (self.world_size, self.timeout_s, os.getpid(), self._tmpdir, self.device)
         with mock.patch.dict(os.environ, dict.fromkeys(_THREAD_VARS, "1")):  # children copy it
             for rank in range(self.world_size):
                 job_r, job_w = ctx.Pipe(duplex=False)
@@ -176,11 +181,15 @@ class RankPool:
         self._procs, self._jobs, self._reports, self._tmpdir = [], [], {}, None
 
 
-def get_pool(world_size: int, timeout_s: float = 120.0) -> RankPool:
-    """The session-wide pool of `world_size` ranks (created on first use, shut down at exit)."""
-    if world_size not in _POOLS:
-        _POOLS[world_size] = RankPool(world_size, timeout_s)
-    return _POOLS[world_size]
+def get_pool(world_size: int, timeout_s: float = 120.0, device: Optional[str] = None) -> RankPool:
+    """The session-wide pool of `world_size` ranks on `device` (default: the harness's,
+    veragged.testing.device), created on first use and shut down at exit. Raises
+    `unittest.SkipTest` where the device cannot hold that many ranks (GPUs: one each)."""
+    device = device or test_device()
+    check_devices(device, world_size)
+    if (world_size, device) not in _POOLS:
+        _POOLS[world_size, device] = RankPool(world_size, timeout_s, device)
+    return _POOLS[world_size, device]
 
 
 @atexit.register
@@ -265,7 +274,7 @@ def _freeze_start_up() -> None:
 def _worker_main(rank: int, config: tuple, jobs, reports) -> None:
     """Entry point of each rank: init the process group, then run jobs until told to stop."""
     global _STACK_FILE
-    world_size, timeout, parent_pid, tmpdir = config
+    world_size, timeout, parent_pid, tmpdir, device = config
     _die_with_parent(parent_pid)
     _STACK_FILE = open(os.path.join(tmpdir, f"rank{rank}.stack"), "w")
     faulthandler.enable(file=_STACK_FILE, all_threads=True)  # stacks of a crash (e.g. SIGSEGV)
@@ -277,8 +286,10 @@ def _worker_main(rank: int, config: tuple, jobs, reports) -> None:
 
     try:
         torch.set_num_threads(1)
+        enter_rank(device, rank)
         store = dist.FileStore(os.path.join(tmpdir, "store"), world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+        dist.init_process_group(backend_for(device), store=store, rank=rank,
+                                world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         dist.barrier()
         _freeze_start_up()
