@@ -25,15 +25,19 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>> interval_overlaps_op(
 
 // plan_owners(int[] block_rows, int[] block_cols, int[] blocks_per_matrix, int[] buckets,
 //             int world_size, str strategy, str cost, float alpha, int capacity, int ns_steps,
-//             int precondition_frequency, int max_preconditioner_dim)
-//   -> (int[] owners, int[] group_offsets, int[] group_members, int[] loads, int capacity)
-// Micro-group g is group_members[group_offsets[g]:group_offsets[g + 1]] (optim/owners.h).
+//             int precondition_frequency, int max_preconditioner_dim, int[] held,
+//             float locality_slack)
+//   -> (int[] owners, int[] group_offsets, int[] group_members, int[] loads, int capacity,
+//       int moved)
+// Micro-group g is group_members[group_offsets[g]:group_offsets[g + 1]]; held is matrix-major
+// (held[i * world_size + r]) or empty; moved is -1 without it (optim/owners.h).
 std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
-           int64_t>
+           int64_t, int64_t>
 plan_owners_op(c10::IntArrayRef block_rows, c10::IntArrayRef block_cols,
                c10::IntArrayRef blocks_per_matrix, c10::IntArrayRef buckets, int64_t world_size,
                std::string_view strategy, std::string_view cost, double alpha, int64_t capacity,
-               int64_t ns_steps, int64_t precondition_frequency, int64_t max_preconditioner_dim);
+               int64_t ns_steps, int64_t precondition_frequency, int64_t max_preconditioner_dim,
+               c10::IntArrayRef held, double locality_slack);
 
 // matrix_costs(int[] block_rows, int[] block_cols, int[] blocks_per_matrix, str cost,
 //              int ns_steps, int precondition_frequency, int max_preconditioner_dim) -> int[]

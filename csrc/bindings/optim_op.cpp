@@ -41,11 +41,12 @@ std::vector<std::vector<optim::Block>> unflatten_blocks(c10::IntArrayRef block_r
 }  // namespace
 
 std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
-           int64_t>
+           int64_t, int64_t>
 plan_owners_op(c10::IntArrayRef block_rows, c10::IntArrayRef block_cols,
                c10::IntArrayRef blocks_per_matrix, c10::IntArrayRef buckets, int64_t world_size,
                std::string_view strategy, std::string_view cost, double alpha, int64_t capacity,
-               int64_t ns_steps, int64_t precondition_frequency, int64_t max_preconditioner_dim) {
+               int64_t ns_steps, int64_t precondition_frequency, int64_t max_preconditioner_dim,
+               c10::IntArrayRef held, double locality_slack) {
   const auto matrices = unflatten_blocks(block_rows, block_cols, blocks_per_matrix);
   optim::OwnerPlan plan;
   try {
@@ -57,6 +58,8 @@ plan_owners_op(c10::IntArrayRef block_rows, c10::IntArrayRef block_cols,
     options.ns_steps = ns_steps;
     options.precondition_frequency = precondition_frequency;
     options.max_preconditioner_dim = max_preconditioner_dim;
+    options.held = held.vec();
+    options.locality_slack = locality_slack;
     plan = optim::plan_owners(matrices, buckets.vec(), world_size, options);
   } catch (const std::invalid_argument& error) {
     TORCH_CHECK_VALUE(false, error.what());  // surfaces in Python as ValueError
@@ -67,7 +70,7 @@ plan_owners_op(c10::IntArrayRef block_rows, c10::IntArrayRef block_cols,
     offsets.push_back(static_cast<int64_t>(members.size()));
   }
   return {std::move(plan.owners), std::move(offsets), std::move(members), std::move(plan.loads),
-          plan.capacity};
+          plan.capacity, plan.moved};
 }
 
 std::vector<int64_t> matrix_costs_op(c10::IntArrayRef block_rows, c10::IntArrayRef block_cols,

@@ -44,13 +44,16 @@ TORCH_LIBRARY(veragged, m) {
   // optim/owners.h): block b of the flattened row blocks belongs to the matrix its
   // blocks_per_matrix run covers; micro-group g is
   // group_members[group_offsets[g]:group_offsets[g + 1]]; capacity <= 0 asks for the default and
-  // the capacity used comes back (0 unless strategy is "lpt"). matrix_costs returns the
-  // per-matrix costs that the plan balances.
+  // the capacity used comes back (0 unless strategy is "lpt" or "local"); held (elements per
+  // matrix and rank, matrix-major, or empty) gives "local" its homes and every strategy its
+  // moved elements (-1 without held). matrix_costs returns the per-matrix costs that the plan
+  // balances.
   m.def(
       "plan_owners(int[] block_rows, int[] block_cols, int[] blocks_per_matrix, int[] buckets, "
       "int world_size, str strategy, str cost, float alpha, int capacity, int ns_steps, "
-      "int precondition_frequency, int max_preconditioner_dim) "
-      "-> (int[] owners, int[] group_offsets, int[] group_members, int[] loads, int capacity)",
+      "int precondition_frequency, int max_preconditioner_dim, int[] held, "
+      "float locality_slack) -> (int[] owners, int[] group_offsets, int[] group_members, "
+      "int[] loads, int capacity, int moved)",
       &veragged::plan_owners_op);
   m.def(
       "matrix_costs(int[] block_rows, int[] block_cols, int[] blocks_per_matrix, str cost, "

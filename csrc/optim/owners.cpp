@@ -1,4 +1,4 @@
-// plan_owners: input checks, the four cost models and the four strategies of
+// plan_owners: input checks, the four cost models and the five strategies of
 // [Note: matrix owner plan].
 
 #include "optim/owners.h"
@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <initializer_list>
 #include <map>
@@ -138,6 +139,16 @@ void check_inputs(const std::vector<std::vector<Block>>& matrices,
   for (std::size_t i = 0; i < buckets.size(); ++i) {
     if (buckets[i] < 0) fail("buckets[" + str(i) + "] must be >= 0, got " + str(buckets[i]));
   }
+  if (!(options.locality_slack >= 0.0)) {  // also rejects NaN
+    std::ostringstream message;
+    message << "locality_slack must be >= 0, got " << options.locality_slack;
+    fail(message.str());
+  }
+  const std::size_t n = matrices.size(), world = static_cast<std::size_t>(world_size);
+  if (!options.held.empty() && options.held.size() != n * world) {
+    fail("held must be empty or have world_size entries per matrix (" + str(n * world) +
+         "), got " + str(options.held.size()));
+  }
 }
 
 // Per-rank totals of an owner assignment.
@@ -146,6 +157,124 @@ std::vector<int64_t> rank_loads(const std::vector<int64_t>& owners,
   std::vector<int64_t> loads(static_cast<std::size_t>(world_size), 0);
   for (std::size_t i = 0; i < owners.size(); ++i) loads[owners[i]] += costs[i];
   return loads;  // no overflow: matrix_costs checked the grand total
+}
+
+// Elements per matrix: the sum of its row blocks' rows * cols.
+std::vector<int64_t> matrix_numels(const std::vector<std::vector<Block>>& matrices) {
+  std::vector<int64_t> numels;
+  for (std::size_t i = 0; i < matrices.size(); ++i) {
+    int64_t sum = 0;
+    for (const Block& b : matrices[i]) {
+      sum = add(sum, mul(b.rows, b.cols, "the numel of matrix " + str(i)),
+                "the numel of matrix " + str(i));
+    }
+    numels.push_back(sum);
+  }
+  return numels;
+}
+
+void check_held(const std::vector<int64_t>& held, const std::vector<int64_t>& numels,
+                int64_t world_size) {
+  for (std::size_t i = 0; i < numels.size(); ++i) {
+    for (int64_t r = 0; r < world_size; ++r) {
+      const int64_t h = held[i * static_cast<std::size_t>(world_size) + r];
+      if (h < 0 || h > numels[i]) {
+        fail("held[" + str(i) + "][" + str(r) + "] = " + str(h) + " must be in [0, " +
+             str(numels[i]) + "] (the numel of matrix " + str(i) + ")");
+      }
+    }
+  }
+}
+
+// lpt's micro-groups over a fixed assignment: `order` joins the current group while the cost
+// every rank gains within it stays <= capacity (<= 0: lpt's default); returns the capacity used.
+int64_t capacity_groups(const std::vector<int64_t>& order, const std::vector<int64_t>& owners,
+                        const std::vector<int64_t>& costs, int64_t world_size, int64_t capacity,
+                        std::vector<std::vector<int64_t>>& groups) {
+  int64_t total = 0, largest = 0;
+  for (int64_t c : costs) total += c, largest = std::max(largest, c);
+  if (capacity <= 0) capacity = std::max(largest, ceil_div(ceil_div(total, world_size), 4));
+  std::vector<int64_t> gained(static_cast<std::size_t>(world_size), 0);
+  int64_t group_max = 0;
+  for (int64_t item : order) {
+    const int64_t rank = owners[item], cost = costs[item];
+    if (!groups.empty() && std::max(group_max, gained[rank] + cost) > capacity) {
+      groups.emplace_back();
+      std::fill(gained.begin(), gained.end(), 0);
+      group_max = 0;
+    }
+    if (groups.empty()) groups.emplace_back();
+    groups.back().push_back(item);
+    gained[rank] += cost;
+    group_max = std::max(group_max, gained[rank]);
+  }
+  return capacity;
+}
+
+OwnerPlan plan_local(const std::vector<int64_t>& costs, const std::vector<int64_t>& numels,
+                     const std::vector<int64_t>& held, int64_t world_size, int64_t capacity,
+                     double slack) {
+  const std::size_t n = costs.size(), world = static_cast<std::size_t>(world_size);
+  auto holds = [&](std::size_t i, int64_t r) -> int64_t {
+    return held.empty() ? 0 : held[i * world + static_cast<std::size_t>(r)];
+  };
+  std::vector<int64_t> owners(n, -1), loads(world, 0);
+  std::vector<char> at_home(n, 0);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (numels[i] == 0) continue;
+    for (int64_t r = 0; r < world_size; ++r) {
+      if (holds(i, r) == numels[i]) {
+        owners[i] = r, at_home[i] = 1, loads[r] += costs[i];
+        break;
+      }
+    }
+  }
+  std::vector<int64_t> order(n);
+  for (std::size_t i = 0; i < n; ++i) order[i] = static_cast<int64_t>(i);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return costs[a] != costs[b] ? costs[a] > costs[b] : a < b;
+  });
+  for (int64_t item : order) {  // LPT for the matrices nobody holds whole
+    if (owners[item] >= 0) continue;
+    int64_t best = 0;
+    for (int64_t r = 1; r < world_size; ++r) {
+      if (loads[r] < loads[best] || (loads[r] == loads[best] && holds(item, r) > holds(item, best))) {
+        best = r;
+      }
+    }
+    owners[item] = best;
+    loads[best] += costs[item];
+  }
+  int64_t total = 0, largest = 0;
+  for (int64_t c : costs) total += c, largest = std::max(largest, c);
+  const int64_t lower = std::max(ceil_div(total, world_size), largest);
+  const double extra = std::floor(slack * static_cast<double>(lower));
+  const int64_t bound = extra >= 9.2e18 ? INT64_MAX : add(lower, static_cast<int64_t>(extra),
+                                                          "the locality bound");
+  // Candidates to move: travelling before at home, cost descending, lower index.
+  std::vector<int64_t> movable = order;
+  std::stable_sort(movable.begin(), movable.end(),
+                   [&](int64_t a, int64_t b) { return at_home[a] < at_home[b]; });
+  while (true) {
+    const auto m = std::max_element(loads.begin(), loads.end()) - loads.begin();
+    if (loads[m] <= bound) break;
+    const auto l = std::min_element(loads.begin(), loads.end()) - loads.begin();
+    int64_t chosen = -1;
+    for (int64_t item : movable) {
+      if (owners[item] == m && costs[item] > 0 && loads[l] + costs[item] < loads[m]) {
+        chosen = item;
+        break;
+      }
+    }
+    if (chosen < 0) break;
+    owners[chosen] = l, at_home[chosen] = 0;
+    loads[m] -= costs[chosen], loads[l] += costs[chosen];
+  }
+  OwnerPlan plan;
+  plan.owners = std::move(owners);
+  plan.capacity = capacity_groups(order, plan.owners, costs, world_size, capacity, plan.groups);
+  plan.loads = rank_loads(plan.owners, costs, world_size);
+  return plan;
 }
 
 OwnerPlan plan_naive(const std::vector<int64_t>& costs, int64_t world_size) {
@@ -318,7 +447,8 @@ Strategy parse_strategy(const std::string& name) {
   if (name == "lpt") return Strategy::kLpt;
   if (name == "alpha") return Strategy::kAlpha;
   if (name == "layer") return Strategy::kLayer;
-  fail("unknown strategy '" + name + "' (expected naive, lpt, alpha or layer)");
+  if (name == "local") return Strategy::kLocal;
+  fail("unknown strategy '" + name + "' (expected naive, lpt, alpha, layer or local)");
 }
 
 Cost parse_cost(const std::string& name) {
@@ -396,17 +526,38 @@ OwnerPlan plan_owners(const std::vector<std::vector<Block>>& matrices,
   const std::vector<int64_t> costs =
       matrix_costs(matrices, options.cost, options.ns_steps, options.precondition_frequency,
                    options.max_preconditioner_dim);
+  const std::vector<int64_t> numels = matrix_numels(matrices);
+  if (!options.held.empty()) check_held(options.held, numels, world_size);
+  OwnerPlan plan;
   switch (options.strategy) {
     case Strategy::kNaive:
-      return plan_naive(costs, world_size);
+      plan = plan_naive(costs, world_size);
+      break;
     case Strategy::kLpt:
-      return plan_lpt(costs, world_size, options.capacity);
+      plan = plan_lpt(costs, world_size, options.capacity);
+      break;
     case Strategy::kAlpha:
-      return plan_alpha(costs, buckets, world_size, options.alpha);
+      plan = plan_alpha(costs, buckets, world_size, options.alpha);
+      break;
     case Strategy::kLayer:
-      return plan_layer(costs, buckets, world_size);
+      plan = plan_layer(costs, buckets, world_size);
+      break;
+    case Strategy::kLocal:
+      plan = plan_local(costs, numels, options.held, world_size, options.capacity,
+                        options.locality_slack);
+      break;
+    default:
+      fail("unknown strategy " + str(static_cast<int64_t>(options.strategy)));
   }
-  fail("unknown strategy " + str(static_cast<int64_t>(options.strategy)));
+  if (!options.held.empty()) {
+    const std::size_t world = static_cast<std::size_t>(world_size);
+    plan.moved = 0;
+    for (std::size_t i = 0; i < numels.size(); ++i) {
+      const int64_t here = options.held[i * world + static_cast<std::size_t>(plan.owners[i])];
+      plan.moved = add(plan.moved, numels[i] - here, "the moved elements");
+    }
+  }
+  return plan;
 }
 
 }  // namespace optim

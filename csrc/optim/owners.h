@@ -90,13 +90,32 @@ namespace optim {
 //          (one exchange, as the layer-wise optimizer's single all-gatherv); capacity unused.
 //          Its balance is bounded by the largest bucket, so it is the baseline lpt and alpha
 //          improve on.
+//   local  Locality-aware LPT (the default of the matrix optimizers when it is no slower:
+//          benchmarks/optim_matrix.py). `held` gives, per matrix and rank, the elements the rank
+//          already holds. A matrix one rank holds whole (RaggedShard lets a planner keep an
+//          expert or a small matrix on one rank) is owned there: gathering it moves nothing.
+//          The other matrices go by LPT on top of those loads (cost descending, ties lower
+//          index; each to the least loaded rank, ties to the rank holding more of it, then the
+//          lower rank). Then, while the most loaded rank m (ties: lower rank) is above
+//          bound = L + floor(locality_slack * L), L = max(ceil(total / world), largest cost) (a
+//          lower bound of any plan's max load), one matrix of m moves to the least loaded rank l
+//          (ties: lower rank): the first, in the order (travelling before held at home, cost
+//          descending, lower index), whose cost c keeps load[l] + c < load[m]; none: stop.
+//          Each move lowers the sum of squared loads, so this ends. The default slack 1/3 is
+//          LPT's own worst-case factor (4/3): locality costs compute only where the plan would
+//          otherwise be worse than what LPT guarantees, and a move saves compute at the price
+//          of the matrix crossing the network twice per step. Micro-groups as lpt's (capacity
+//          bounded, cost descending).
+// With `held`, every strategy reports `moved`: the elements that travel to their owners per
+// step (sum over matrices of numel minus what the owner holds; the updates travel back the
+// same number), so bytes on the wire per step are 2 * moved * the element size.
 // Buckets are used by alpha and layer only (naive and lpt validate and ignore them); without
 // buckets every matrix is in bucket 0 for alpha and in a bucket of its own for layer.
 
-enum class Strategy : int64_t { kNaive = 0, kLpt = 1, kAlpha = 2, kLayer = 3 };
+enum class Strategy : int64_t { kNaive = 0, kLpt = 1, kAlpha = 2, kLayer = 3, kLocal = 4 };
 enum class Cost : int64_t { kFlops = 0, kNumel = 1, kShampoo = 2, kSoap = 3 };
 
-// "naive" | "lpt" | "alpha" | "layer" and "flops" | "numel" | "shampoo" | "soap";
+// "naive" | "lpt" | "alpha" | "layer" | "local" and "flops" | "numel" | "shampoo" | "soap";
 // std::invalid_argument on anything else.
 Strategy parse_strategy(const std::string& name);
 Cost parse_cost(const std::string& name);
@@ -117,13 +136,18 @@ struct OwnerOptions {
   // (>= 1), and D, the largest preconditioned side (>= 1).
   int64_t precondition_frequency = 1;
   int64_t max_preconditioner_dim = 1024;
+  // Per matrix and rank (matrix-major: held[i * world + r]), the elements rank r holds of
+  // matrix i, in [0, numel]; empty: unknown (local then plans as lpt, and moved is -1).
+  std::vector<int64_t> held;
+  double locality_slack = 1.0 / 3.0;  // local only, >= 0
 };
 
 struct OwnerPlan {
   std::vector<int64_t> owners;               // per matrix, in [0, world)
   std::vector<std::vector<int64_t>> groups;  // micro-groups in execution order
   std::vector<int64_t> loads;                // per rank, sum of its matrices' costs
-  int64_t capacity = 0;                      // lpt: the capacity used; others: 0
+  int64_t capacity = 0;                      // lpt, local: the capacity used; others: 0
+  int64_t moved = -1;  // elements sent to owners per step; -1: no held
   double ratio() const;                      // max / mean load; 1 when every load is 0
 };
 
@@ -142,7 +166,8 @@ std::vector<int64_t> matrix_costs(const std::vector<std::vector<Block>>& matrice
 // Plans owners and micro-groups ([Note: matrix owner plan]). `buckets` is empty or has one id
 // (>= 0) per matrix. Throws std::invalid_argument naming the argument and value for:
 // world_size < 1, alpha outside [0, 1] (or NaN), ns_steps < 1, precondition_frequency < 1,
-// max_preconditioner_dim < 1, a matrix with no blocks, a negative rows or cols, a negative
+// max_preconditioner_dim < 1, locality_slack < 0 (or NaN), a held table of the wrong size or
+// with an entry outside [0, numel], a matrix with no blocks, a negative rows or cols, a negative
 // bucket id, a buckets length that differs from the matrix count, or costs that overflow int64.
 OwnerPlan plan_owners(const std::vector<std::vector<Block>>& matrices,
                       const std::vector<int64_t>& buckets, int64_t world_size,

@@ -464,7 +464,7 @@ TEST(OwnerPlan, LayerBucketsStayWholeAndFollowBucketLpt) {
 
 TEST(OwnerPlan, EmptyAndZeroCostInputs) {
   for (auto s : {vo::Strategy::kNaive, vo::Strategy::kLpt, vo::Strategy::kAlpha,
-                 vo::Strategy::kLayer}) {
+                 vo::Strategy::kLayer, vo::Strategy::kLocal}) {
     const auto empty = plan({}, 3, options(s));
     EXPECT_TRUE(empty.owners.empty() && empty.groups.empty());
     EXPECT_EQ(empty.loads, (std::vector<int64_t>{0, 0, 0}));
@@ -490,7 +490,7 @@ TEST(OwnerPlan, ErrorsNameTheArgument) {
                  "matrices[0] block 0: cols must be >= 0, got -1");
   expect_invalid([&] { vo::plan_owners({{{2, 2}}, {}}, {}, 2, lpt); }, "matrices[1] has no blocks");
   expect_invalid([] { vo::parse_strategy("greedy"); },
-                 "unknown strategy 'greedy' (expected naive, lpt, alpha or layer)");
+                 "unknown strategy 'greedy' (expected naive, lpt, alpha, layer or local)");
   EXPECT_EQ(vo::parse_strategy("layer"), vo::Strategy::kLayer);
   expect_invalid([] { vo::parse_cost("bytes"); },
                  "unknown cost 'bytes' (expected flops, numel, shampoo or soap)");
@@ -508,4 +508,143 @@ TEST(OwnerPlan, ErrorsNameTheArgument) {
                  "matrices[0] block 0: the flops cost of a 1073741824x1073741824 block overflows");
   const int64_t big = std::numeric_limits<int64_t>::max() / 2 + 1;
   expect_invalid([&] { plan({big, big}, 2, lpt); }, "the total cost at matrices[1] overflows");
+}
+
+// ---- local: matrices held whole stay home -------------------------------------------------------
+
+namespace {
+
+// `held` for matrices of numel `costs` (1 x c blocks): matrix i whole on home[i] (>= 0), or
+// split evenly over the ranks (home -1; the remainder on rank 0).
+std::vector<int64_t> held_table(const std::vector<int64_t>& costs, const std::vector<int64_t>& home,
+                                int64_t world) {
+  std::vector<int64_t> held;
+  for (size_t i = 0; i < costs.size(); ++i) {
+    for (int64_t r = 0; r < world; ++r) {
+      if (home[i] >= 0) {
+        held.push_back(r == home[i] ? costs[i] : 0);
+      } else {
+        held.push_back(costs[i] / world + (r == 0 ? costs[i] % world : 0));
+      }
+    }
+  }
+  return held;
+}
+
+vo::OwnerOptions local_options(const std::vector<int64_t>& held, double slack = 1.0 / 3.0) {
+  auto o = options(vo::Strategy::kLocal);
+  o.held = held;
+  o.locality_slack = slack;
+  return o;
+}
+
+}  // namespace
+
+TEST(OwnerPlan, LocalKeepsBalancedHomesAndMovesNothing) {
+  // 16 equal experts, 4 per rank: every expert stays where it is, nothing travels.
+  const int64_t world = 4;
+  std::vector<int64_t> costs(16, 100), home;
+  for (int64_t i = 0; i < 16; ++i) home.push_back(i / 4);
+  const auto held = held_table(costs, home, world);
+  const auto p = plan(costs, world, local_options(held));
+  check_invariants(p, costs, world);
+  for (size_t i = 0; i < costs.size(); ++i) EXPECT_EQ(p.owners[i], home[i]);
+  EXPECT_EQ(p.moved, 0);
+  // lpt ignores where they are: it moves most of them (costs equal: round robin by index)
+  const auto lpt = plan(costs, world, [&] { auto o = options(vo::Strategy::kLpt); o.held = held;
+                                            return o; }());
+  EXPECT_GT(lpt.moved, 0);
+  EXPECT_EQ(*std::max_element(lpt.loads.begin(), lpt.loads.end()),
+            *std::max_element(p.loads.begin(), p.loads.end()));
+}
+
+TEST(OwnerPlan, LocalPlacesTheRestByLptAroundTheHomes) {
+  // Two experts at home on rank 0, the dense matrices split everywhere go by LPT on top.
+  const int64_t world = 2;
+  const std::vector<int64_t> costs{50, 50, 40, 30, 20, 10};
+  const std::vector<int64_t> home{0, 0, -1, -1, -1, -1};
+  const auto held = held_table(costs, home, world);
+  const auto p = plan(costs, world, local_options(held));
+  check_invariants(p, costs, world);
+  EXPECT_EQ(p.owners[0], 0);
+  EXPECT_EQ(p.owners[1], 0);
+  // rank 1 takes 40, 30, 20 (least loaded each time), then 10 goes to rank 1 too (90 < 100)
+  EXPECT_EQ(p.loads, (std::vector<int64_t>{100, 100}));
+  // moved: the split matrices' halves that live on the other rank
+  int64_t moved = 0;
+  for (size_t i = 2; i < costs.size(); ++i) moved += costs[i] - held[i * world + p.owners[i]];
+  EXPECT_EQ(p.moved, moved);
+}
+
+TEST(OwnerPlan, LocalMovesHomesOnlyBeyondTheSlack) {
+  // Everything on rank 0: the lower bound is 40 (160 / 4), so with slack 1/3 (bound 53) rank 0
+  // must shed matrices; with a huge slack nothing moves.
+  const int64_t world = 4;
+  const std::vector<int64_t> costs(8, 20);
+  const std::vector<int64_t> home(8, 0);
+  const auto held = held_table(costs, home, world);
+  const auto kept = plan(costs, world, local_options(held, 1e9));
+  EXPECT_EQ(kept.loads, (std::vector<int64_t>{160, 0, 0, 0}));
+  EXPECT_EQ(kept.moved, 0);
+  const auto p = plan(costs, world, local_options(held));
+  check_invariants(p, costs, world);
+  EXPECT_LE(*std::max_element(p.loads.begin(), p.loads.end()), 53);
+  EXPECT_EQ(p.moved, 20 * (8 - std::count(p.owners.begin(), p.owners.end(), 0)));
+  // slack 0: as balanced as single moves get (here perfectly)
+  const auto tight = plan(costs, world, local_options(held, 0.0));
+  EXPECT_EQ(tight.loads, (std::vector<int64_t>{40, 40, 40, 40}));
+}
+
+TEST(OwnerPlan, LocalRandomWithinBoundAndDeterministic) {
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t world = 1 + rng() % 8;
+    const size_t n = rng() % 40;
+    std::vector<int64_t> costs, home;
+    for (size_t i = 0; i < n; ++i) {
+      costs.push_back(1 + rng() % 1000);
+      home.push_back(rng() % 3 == 0 ? -1 : static_cast<int64_t>(rng() % world));
+    }
+    const auto held = held_table(costs, home, world);
+    const auto p = plan(costs, world, local_options(held));
+    check_invariants(p, costs, world);
+    const auto again = plan(costs, world, local_options(held));
+    EXPECT_EQ(p.owners, again.owners);
+    EXPECT_EQ(p.groups, again.groups);
+    // At the bound, or no single move of the max rank's matrices helps.
+    int64_t total = 0, largest = 0;
+    for (int64_t c : costs) total += c, largest = std::max(largest, c);
+    const int64_t lower = std::max((total + world - 1) / world, largest);
+    const auto m = std::max_element(p.loads.begin(), p.loads.end()) - p.loads.begin();
+    const int64_t least = *std::min_element(p.loads.begin(), p.loads.end());
+    if (p.loads[m] > lower + lower / 3) {
+      for (size_t i = 0; i < n; ++i) {
+        if (p.owners[i] == m) {
+          EXPECT_GE(least + costs[i], p.loads[m]) << "trial " << trial;
+        }
+      }
+    }
+    // A matrix held whole stays home unless its rank was over the bound.
+    int64_t moved = 0;
+    for (size_t i = 0; i < n; ++i) moved += costs[i] - held[i * world + p.owners[i]];
+    EXPECT_EQ(p.moved, n ? moved : -1);  // no matrices: an empty held, as without one
+  }
+}
+
+TEST(OwnerPlan, HeldErrorsAndMovedForEveryStrategy) {
+  const std::vector<int64_t> costs{4, 6};
+  expect_invalid([&] { plan(costs, 2, local_options({4, 0, 6})); },
+                 "held must be empty or have world_size entries per matrix (4), got 3");
+  expect_invalid([&] { plan(costs, 2, local_options({4, 0, 7, 0})); },
+                 "held[1][0] = 7 must be in [0, 6] (the numel of matrix 1)");
+  expect_invalid([&] { plan(costs, 2, local_options({4, 0, 6, 0}, -1.0)); },
+                 "locality_slack must be >= 0, got -1");
+  EXPECT_EQ(plan(costs, 2, options(vo::Strategy::kLpt)).moved, -1);
+  for (auto s : {vo::Strategy::kNaive, vo::Strategy::kLpt, vo::Strategy::kAlpha,
+                 vo::Strategy::kLayer}) {
+    auto o = options(s);
+    o.held = {4, 0, 0, 6};  // matrix 0 on rank 0, matrix 1 on rank 1
+    const auto p = plan(costs, 2, o);
+    EXPECT_EQ(p.moved, (p.owners[0] == 0 ? 0 : 4) + (p.owners[1] == 1 ? 0 : 6));
+  }
 }

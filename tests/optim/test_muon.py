@@ -35,6 +35,33 @@ def test_matches_torch_muon_and_adamw_in_one_process():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("fn", [None, "original", "match_rms_adamw", "spectral_unclamped"])
+def test_adjust_lr_fns_and_expert_stacks_match_torch_muon(fn):
+    """Every adjust_lr_fn of torch.optim.Muon, on a tall, a wide and a stack of three experts
+    [3, 6, 10] (torch's Muon takes the experts as three 2-D parameters)."""
+    torch.manual_seed(0)
+    mats = [torch.randn(12, 4), torch.randn(4, 12)]
+    stack = torch.randn(3, 6, 10)
+    ours_p = [torch.nn.Parameter(t.clone()) for t in [*mats, stack]]
+    ref_p = [torch.nn.Parameter(t.clone()) for t in [*mats, *stack]]
+    try:
+        ref = torch.optim.Muon(ref_p, lr=0.02, weight_decay=0.1, adjust_lr_fn=fn)
+    except ValueError:
+        pytest.skip(f"this torch's Muon has no adjust_lr_fn={fn!r}")
+    ours = Muon(ours_p, lr=0.02, weight_decay=0.1, adjust_lr_fn=fn, ns_dtype=torch.bfloat16)
+    for _ in range(4):
+        grads = [torch.randn(p.shape) for p in ours_p]
+        for p, g in zip(ours_p, grads):
+            p.grad = g.clone()
+        for q, g in zip(ref_p, [*grads[:2], *grads[2]]):
+            q.grad = g.clone()
+        ours.step()
+        ref.step()
+    assert torch.equal(ours_p[0], ref_p[0]) and torch.equal(ours_p[1], ref_p[1])
+    for e in range(3):
+        assert torch.equal(ours_p[2][e], ref_p[2 + e]), e
+
+
 def test_split_sizes_orthogonalise_row_blocks_separately():
     """A fused (q; k; v) matrix with split_sizes == three matrices stepped by torch's Muon."""
     torch.manual_seed(0)
@@ -65,7 +92,7 @@ def test_bad_arguments_name_the_argument():
     ]:
         with pytest.raises(ValueError, match=name):
             Muon(p, **kw)
-    with pytest.raises(ValueError, match="2-D"):
+    with pytest.raises(ValueError, match="2 dims or more"):
         Muon([{"params": [torch.nn.Parameter(torch.randn(4))], "use_muon": True}])
 
 

@@ -144,6 +144,10 @@ class AdamW8bit(torch.optim.Optimizer):
         index = len(self.param_groups) - 1
         for i, p in enumerate(group["params"]):
             name = names[i] if names else f"param_groups[{index}]['params'][{i}]"
+            if p.is_complex():
+                raise ValueError(f"AdamW8bit: parameter {name} is complex ({p.dtype}); complex "
+                                 "parameters are not supported (torch.optim.AdamW steps them "
+                                 "as pairs of reals: use it for those)")
             self.state[p] = self._new_state(p, group, name)
 
     def _new_state(self, p: torch.Tensor, group: dict, name: str) -> dict:

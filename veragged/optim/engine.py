@@ -21,6 +21,13 @@ factors and their roots or eigenbases), while FSDP, TP and EP leave every rank a
    ([Note: owner-resident state]); `_has_update` (a function of symmetric step counters only)
    says whether the matrix sends an update back this step (SOAP's first step does not);
 5. apply: `_apply` writes this rank's piece of the update into its shard.
+A parameter with more than two dims (an expert stack [E, out, in]) is that many matrices, each
+planned, owned, computed and applied on its own ([Note: matrices of a stack]); its elementwise
+work (`_prepare`, momentum, weight decay) runs once on the whole local shard, and a step
+counter advances once per parameter (`_after_param`, when every matrix of the domain is done).
+A matrix whose owner holds it whole (a RaggedShard layout can keep an expert on one rank, and
+`owners="local"` keeps it there) is computed where it lies, outside the exchange: no bytes
+travel for it.
 Plain tensors and replicated DTensors are whole on every rank: every rank computes them, with
 the same kernels. `owners="replicated"` gathers every matrix to every rank and computes it
 everywhere (what DDP-style implementations do; Canzona's SC baseline); `owners="layer"` puts
@@ -32,35 +39,61 @@ bitwise the single-process ones.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
 from torch.optim import Optimizer
 
+from veragged.dbuffer.memory import ALIGN_BYTES
 from veragged.optim.common import GradPresence, check_grad_agreement, local, local_grads
 from veragged.optim.exchange import Exchange, MatrixLayout, matrix_layout
 from veragged.optim.owner_state import OwnerResidence, residence
 from veragged.optim.owners import OwnerPlan, plan_owners
-from veragged.optim.pieces import check_placements
+from veragged.optim.pieces import check_placements, slice_layout
 from veragged.placement.collectives import all_gather
 
 __all__ = ["Matrix", "MatrixOptimizer", "STRATEGIES"]
 
-STRATEGIES = ("lpt", "alpha", "naive", "layer", "replicated")
+STRATEGIES = ("lpt", "local", "alpha", "naive", "layer", "replicated")
 
 
 @dataclass(eq=False)
 class Matrix:
-    """One 2-D parameter the engine steps: its group, its pieces on its domain and where its
-    owner state lives. `extra` is the optimizer's own per-matrix data."""
+    """One matrix the engine steps: a 2-D parameter, or one matrix of a stack ([Note: matrices
+    of a stack]); its group, its pieces on its domain and where its owner state lives. `extra`
+    is the optimizer's own per-matrix data."""
 
     param: torch.Tensor
     group: dict[str, Any]
     layout: MatrixLayout
+    shape: tuple[int, int] = (0, 0)  # (rows, cols) as the optimizer sees the matrix
+    index: int | None = None  # its position in the stack (None: a 2-D parameter)
+    span: tuple[int, int] = (0, 0)  # its piece in this rank's flat local tensor
+    transposed: bool = False  # stored as (cols, rows): matrix_dims=(-1, -2)
     owner: int | None = None  # its owner's index on the domain group (None: every rank)
     home: OwnerResidence | None = None  # where its owner state lives, if it has any
     extra: Any = None
+    label: str = ""  # "param i of group g" (", matrix e" in a stack), for messages
+
+    def key(self, name: str) -> str:
+        """The state key of its owner-state tensor `name` (suffixed with the stack index)."""
+        return name if self.index is None else f"{name}[{self.index}]"
+
+    def as_matrix(self, flat: torch.Tensor) -> torch.Tensor:
+        """The (rows, cols) matrix from its flat values in storage order (contiguous)."""
+        if not self.transposed:
+            return flat.view(self.shape)
+        return flat.view(self.shape[1], self.shape[0]).T.contiguous()
+
+    def to_flat(self, x: torch.Tensor) -> torch.Tensor:
+        """A (rows, cols) result back to flat storage order."""
+        return (x.T if self.transposed else x).reshape(-1)
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """Its piece of a tensor sharded like its parameter (flat view)."""
+        return local(t).view(-1)[self.span[0]:self.span[1]]
 
 
 @dataclass
@@ -91,15 +124,22 @@ class MatrixOptimizer(Optimizer):
         owners: str = "lpt",
         alpha: float = 1.0,
         capacity: int | None = None,
+        locality_slack: float = 1.0 / 3.0,
         grad_agreement: str = "auto",
     ):
         self.grad_agreement = check_grad_agreement(self._NAME, grad_agreement)
         if owners not in STRATEGIES:
             raise ValueError(f"{self._NAME}: owners must be one of {STRATEGIES}, got {owners!r}")
         self.owners, self.alpha, self.capacity = owners, alpha, capacity
+        if isinstance(locality_slack, bool) or not isinstance(locality_slack, (int, float)) \
+                or not locality_slack >= 0:
+            raise ValueError(f"{self._NAME}: locality_slack must be a number >= 0, got "
+                             f"{locality_slack!r}")
+        self.locality_slack = float(locality_slack)
         self.owner_plans: list[OwnerPlan] = []
         self._domains: list[_Domain] | None = None
         self._building = True
+        defaults = {**defaults, "matrix_dims": defaults.get("matrix_dims", (-2, -1))}
         super().__init__(params, defaults)
         self._building = False
         self._domains = self._build_domains()  # owner state exists from the start
@@ -113,10 +153,40 @@ class MatrixOptimizer(Optimizer):
         """Raise ValueError naming a bad hyper-parameter of `group`."""
 
     def _check_matrix(self, group: dict, p: torch.Tensor, index: str) -> None:
-        """Raise ValueError for a matrix this optimizer cannot take (`index` names it)."""
-        if p.ndim != 2:
-            raise ValueError(f"{self._NAME}: matrix parameters must be 2-D; {index} has shape "
-                             f"{list(p.shape)}")
+        """Raise ValueError for a matrix parameter this optimizer cannot take (`index` names
+        it); the optimizer's own checks of each matrix go in `_check_one`."""
+        if p.ndim < 2:
+            raise ValueError(f"{self._NAME}: matrix parameters must have 2 dims or more (a "
+                             f"stack of matrices); {index} has shape {list(p.shape)}")
+        dims = group["matrix_dims"]
+        if not isinstance(dims, (tuple, list)) or tuple(dims) not in ((-2, -1), (-1, -2)):
+            raise ValueError(f"{self._NAME}: matrix_dims={dims!r}: the matrices are the last "
+                             "two dims, as (-2, -1) (rows, cols) or (-1, -2) (stored "
+                             "transposed, e.g. [E, in, out] experts)")
+        self._check_one(group, self._matrix_shape(group, p), index)
+
+    def _check_one(self, group: dict, shape: tuple[int, int], index: str) -> None:
+        """Raise ValueError for a (rows, cols) matrix this optimizer cannot take."""
+
+    @staticmethod
+    def _matrix_shape(group: dict, p: torch.Tensor) -> tuple[int, int]:
+        rows, cols = p.shape[-2:]
+        return (cols, rows) if tuple(group["matrix_dims"]) == (-1, -2) else (rows, cols)
+
+    def _matrices_of(self, group: dict, p: torch.Tensor) -> list[Matrix]:
+        """The matrices of matrix parameter `p`: itself, or each matrix of a stack ([Note:
+        matrices of a stack])."""
+        layout = matrix_layout(p)
+        shape = self._matrix_shape(group, p)
+        transposed = tuple(group["matrix_dims"]) == (-1, -2)
+        if p.ndim == 2 and not transposed:
+            return [Matrix(p, group, layout, shape, None, (0, local(p).numel()))]
+        size = shape[0] * shape[1]
+        out = []
+        for e in range(math.prod(p.shape[:-2])):
+            sub, span = slice_layout(layout, e * size, size)
+            out.append(Matrix(p, group, sub, shape, e if p.ndim > 2 else None, span, transposed))
+        return out
 
     def _init_state(self, p: torch.Tensor, group: dict, matrix: bool) -> None:
         """Create the state that is sharded like `p` (every rank, from the start)."""
@@ -131,15 +201,16 @@ class MatrixOptimizer(Optimizer):
         matrices; every matrix of one domain must give the same cost options."""
         return {}
 
-    def _make_extra(self, group: dict, p: torch.Tensor, layout: MatrixLayout) -> Any:
+    def _make_extra(self, m: Matrix) -> Any:
         return None
 
     def _plan_blocks(self, m: Matrix):
         """The row-block sizes plan_owners costs separately (None: the whole matrix)."""
         return None
 
-    def _prepare(self, m: Matrix, g: torch.Tensor) -> torch.Tensor:
-        """This rank's piece to send, from its local gradient `g`."""
+    def _prepare(self, p: torch.Tensor, group: dict, g: torch.Tensor) -> torch.Tensor:
+        """This rank's values to send for matrix parameter `p` (all of its matrices), from its
+        local gradient `g`; elementwise, in the local tensor's order."""
         raise NotImplementedError
 
     def _compute(self, m: Matrix, full: torch.Tensor) -> torch.Tensor:
@@ -151,11 +222,12 @@ class MatrixOptimizer(Optimizer):
         return True
 
     def _apply(self, m: Matrix, piece: torch.Tensor) -> None:
-        """Write this rank's flat `piece` of the update into its shard."""
+        """Write this rank's flat `piece` of the update into its shard (`m.local(...)`)."""
         raise NotImplementedError
 
-    def _after_matrix(self, m: Matrix) -> None:
-        """Per stepped matrix, on every rank, after its update (step counters)."""
+    def _after_param(self, p: torch.Tensor) -> None:
+        """Per stepped matrix parameter, on every rank, once all its matrices are updated
+        (step counters)."""
 
     def _step_elementwise(self, p: torch.Tensor, g: torch.Tensor, group: dict) -> None:
         raise NotImplementedError
@@ -172,6 +244,9 @@ class MatrixOptimizer(Optimizer):
         group = self.param_groups[gi]
         self._validate_group(group)
         for i, p in enumerate(group["params"]):
+            if p.is_complex():  # as torch.optim.Muon: the math is for real matrices
+                raise ValueError(f"{self._NAME}: param {i} of group {gi} is complex "
+                                 f"({p.dtype}); complex parameters are not supported")
             matrix = self._is_matrix(group, p)
             if matrix:
                 self._check_matrix(group, p, f"param {i} of group {gi}")
@@ -182,7 +257,7 @@ class MatrixOptimizer(Optimizer):
 
     def owned_state(self, m: Matrix, name: str) -> torch.Tensor:
         """The owner's whole `name` tensor of `m`, in its shape (only where `m.mine`)."""
-        value = local(self.state[m.param][name])
+        value = local(self.state[m.param][m.key(name)])
         return value.view(self._owner_state(m)[name][0])
 
     # --- the plan ------------------------------------------------------------------------------
@@ -195,25 +270,32 @@ class MatrixOptimizer(Optimizer):
         by_group: dict[Any, list[Matrix]] = {}
         buckets: dict[Any, list[int]] = {}
         for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                if self._is_matrix(group, p):
-                    layout = matrix_layout(p)
-                    m = Matrix(p, group, layout, extra=self._make_extra(group, p, layout))
-                    by_group.setdefault(layout.group, []).append(m)
-                    buckets.setdefault(layout.group, []).append(gi)
+            for i, p in enumerate(group["params"]):
+                if not self._is_matrix(group, p):
+                    continue
+                for m in self._matrices_of(group, p):
+                    if m.layout.numel == 0:  # (n, 0) or (0, n): nothing to update, no state
+                        continue
+                    m.label = f"param {i} of group {gi}" + (
+                        "" if m.index is None else f", matrix {m.index}")
+                    m.extra = self._make_extra(m)
+                    by_group.setdefault(m.layout.group, []).append(m)
+                    buckets.setdefault(m.layout.group, []).append(gi)
         domains, self.owner_plans = [], []
         for pg, matrices in by_group.items():  # first-appearance order: the same on every rank
             plan = exchange = None
             if pg is not None and self.owners != "replicated":
                 options = self._plan_options(matrices[0].group)  # [Note: matrix owner plan]
                 plan = plan_owners(
-                    [tuple(m.param.shape) for m in matrices],
+                    [m.shape for m in matrices],
                     matrices[0].layout.world,
                     strategy=self.owners,
                     alpha=self.alpha,
                     capacity=self.capacity,
                     split_sizes=[self._plan_blocks(m) for m in matrices],
                     buckets=buckets[pg],
+                    held=[m.layout.sizes for m in matrices],
+                    locality_slack=self.locality_slack,
                     **options,
                 )
                 self.owner_plans.append(plan)
@@ -223,7 +305,7 @@ class MatrixOptimizer(Optimizer):
                 if self._owner_state(m):
                     m.home = residence(m.param, m.owner)
                     self._place_owner_state(m)
-            index = {id(m.param): i for i, m in enumerate(matrices)}
+            index = {id(m): i for i, m in enumerate(matrices)}
             domains.append(_Domain(matrices, plan, exchange, index))
         return domains
 
@@ -232,11 +314,12 @@ class MatrixOptimizer(Optimizer):
         or state loaded from another plan: [Note: owner-resident state])."""
         state = self.state[m.param]
         for name, (shape, dtype) in self._owner_state(m).items():
-            value = state.get(name)
+            key = m.key(name)
+            value = state.get(key)
             if value is None:
-                state[name] = m.home.zeros(shape, dtype)
+                state[key] = m.home.zeros(shape, dtype)
             else:
-                state[name] = m.home.adopt(value, shape, dtype, name)
+                state[key] = m.home.adopt(value, shape, dtype, key)
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -254,36 +337,45 @@ class MatrixOptimizer(Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         presence = GradPresence(params, self.grad_agreement)
         grads = dict(zip(map(id, params), local_grads(params, presence.verdicts())))
-        pieces: dict[int, torch.Tensor] = {}  # id(param) -> local piece to send
         for group in self.param_groups:
             for p in group["params"]:
                 g = grads[id(p)]
-                if g is None:
-                    continue
-                if not self._is_matrix(group, p):
+                if g is not None and not self._is_matrix(group, p):
                     self._step_elementwise(p, g, group)
         for domain in self._domains:
+            prepared: dict[int, torch.Tensor] = {}  # id(param) -> its flat local values
+            pieces: dict[int, torch.Tensor] = {}  # id(matrix) -> its local piece to send
+            stepped = []  # its matrix parameters with a gradient, in order
             for m in domain.matrices:
-                g = grads[id(m.param)]
-                if g is not None:
-                    pieces[id(m.param)] = self._prepare(m, g)
+                p = m.param
+                g = grads[id(p)]
+                if g is None:
+                    continue
+                if id(p) not in prepared:
+                    prepared[id(p)] = self._prepare(p, m.group, g).reshape(-1)
+                    stepped.append(p)
+                pieces[id(m)] = prepared[id(p)][m.span[0]:m.span[1]]
             if domain.exchange is None:
                 self._step_whole(domain, pieces)
             else:
                 self._step_owned(domain, pieces)
+            for p in stepped:  # once per parameter, after all its matrices
+                self._after_param(p)
         presence.finish()
         return loss
 
-    def _finish(self, m: Matrix, update: torch.Tensor | None) -> None:
-        if update is not None:
-            self._apply(m, update)
-        self._after_matrix(m)
+    def _compute_aligned(self, m: Matrix, full: torch.Tensor):
+        """`_compute` on `full` where a matrix of its own would start ([Note: aligned owner
+        inputs]): a view into a stack, or into an unaligned buffer, is copied first."""
+        if full.data_ptr() % ALIGN_BYTES:
+            full = full.clone()
+        return self._compute(m, full)
 
     def _step_whole(self, domain: _Domain, pieces: dict[int, torch.Tensor]) -> None:
         """Matrices every rank has whole (plain tensors, replicated DTensors), or with
         owners="replicated": gather each to every rank and compute it everywhere."""
         for m in domain.matrices:
-            u = pieces.get(id(m.param))
+            u = pieces.get(id(m))
             if u is None:
                 continue
             lay = m.layout
@@ -293,23 +385,32 @@ class MatrixOptimizer(Optimizer):
                 if not lay.in_rank_order:
                     u = lay.assemble(u.split(lay.sizes))
             sends = self._has_update(m)
-            full = self._compute(m, u.reshape(-1))
-            if not sends:
-                self._finish(m, None)
-            else:
-                self._finish(m, lay.mine(full) if lay.group is not None else full)
+            full = self._compute_aligned(m, u.reshape(-1))
+            if sends:
+                self._apply(m, lay.mine(full) if lay.group is not None else full)
 
     def _step_owned(self, domain: _Domain, pieces: dict[int, torch.Tensor]) -> None:
-        """Owners compute; micro-groups pipelined ([Note: Muon matrix exchange])."""
-        ex, matrices, index = domain.exchange, domain.matrices, domain.index
-        groups = [[i for i in g if id(matrices[i].param) in pieces] for g in domain.plan.groups]
-        groups = [g for g in groups if g]  # the same on every rank (the mask is symmetric)
+        """Owners compute; micro-groups pipelined ([Note: Muon matrix exchange]). A matrix its
+        owner holds whole is computed there, outside the exchange."""
+        ex, matrices = domain.exchange, domain.matrices
+        stepped = [[i for i in g if id(matrices[i]) in pieces] for g in domain.plan.groups]
+        # (the same on every rank: the plan, the layouts and the grad mask are symmetric)
+        at_home = [i for g in stepped for i in g
+                   if matrices[i].layout.size(matrices[i].owner) == matrices[i].layout.numel]
+        home = set(at_home)
+        groups = [g for g in ([i for i in g if i not in home] for g in stepped) if g]
+        local_pieces = {domain.index[k]: u for k, u in pieces.items()}
+        gathering = ex.gather(groups[0], local_pieces) if groups else None
+        for i in at_home:  # while the first gather is on the wire
+            m = matrices[i]
+            if m.owner == ex.rank:
+                u = self._compute_aligned(m, local_pieces[i])
+                if self._has_update(m):
+                    self._apply(m, u)
         if not groups:
             return
-        local_pieces = {index[k]: u for k, u in pieces.items() if k in index}
         device = next(iter(local_pieces.values())).device
         like = torch.empty(0, dtype=self._update_dtype(device), device=device)
-        gathering = ex.gather(groups[0], local_pieces)
         scattering = None
         for k, items in enumerate(groups):
             fulls = gathering.wait()
@@ -322,16 +423,13 @@ class MatrixOptimizer(Optimizer):
                 u = self._compute(matrices[i], f)
                 if i in sends:
                     updates[i] = u
-            silent = [matrices[i] for i in items if i not in sends]
             launched = ex.scatter(sending, updates, like) if sending else None
             if scattering is not None:
                 self._apply_scattered(matrices, scattering)
-            for m in silent:
-                self._finish(m, None)
             scattering = launched
         if scattering is not None:
             self._apply_scattered(matrices, scattering)
 
     def _apply_scattered(self, matrices: list[Matrix], scattering) -> None:
         for i, piece in scattering.wait().items():
-            self._finish(matrices[i], piece)
+            self._apply(matrices[i], piece)

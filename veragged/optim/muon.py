@@ -8,19 +8,26 @@ import torch
 
 from veragged.optim.common import local
 from veragged.optim.engine import Matrix, MatrixOptimizer
-from veragged.optim.newton_schulz import DEFAULT_COEFFICIENTS, adjusted_lr, orthogonalize
+from veragged.optim.newton_schulz import (
+    ADJUST_LR_FNS,
+    DEFAULT_COEFFICIENTS,
+    adjusted_lr,
+    orthogonalize,
+)
 from veragged.optim.pieces import MatrixLayout
 
 __all__ = ["Muon"]
 
 
 def _local_blocks(layout: MatrixLayout, shape, splits, scales) -> tuple:
-    """The local element ranges of each row block (`splits` rows, lr `scales`) in this rank's
-    piece ([Note: optimizer pieces on N-D meshes]): an interval [off, off + n) of the flat
+    """The element ranges of each row block (`splits` rows, lr `scales`) in this rank's piece
+    of a matrix ([Note: optimizer pieces on N-D meshes]): an interval [off, off + n) of the flat
     matrix, or runs that are whole rows (TP Shard(1): row `off // cols + k` is run k)."""
     r = layout.rank
     off, count, length = layout.offsets[r], layout.counts[r], layout.lengths[r]
     size, cols = count * length, shape[1]
+    if len(splits) == 1:  # one block: the whole piece
+        return ((0, size, scales[0]),) if size else ()
     out, start = [], 0
     for rows, scale in zip(splits, scales):
         lo, hi = start, start + rows
@@ -46,8 +53,8 @@ class Muon(MatrixOptimizer):
     transpose for tall matrices, in `ns_dtype` (default bfloat16 on CUDA and float32 on CPU,
     where bfloat16 matmuls are slow; with bfloat16 the result equals torch.optim.Muon's
     bitwise); then `p <- p * (1 - lr * weight_decay) - adjusted_lr * O` with
-    `adjust_lr_fn` None/"original": `lr * sqrt(max(1, A/B))` or "match_rms_adamw":
-    `lr * 0.2 * sqrt(max(A, B))` for an A x B matrix.
+    `adjust_lr_fn` None/"original": `lr * sqrt(max(1, A/B))`, "match_rms_adamw":
+    `lr * 0.2 * sqrt(max(A, B))` or "spectral_unclamped": `lr * sqrt(A/B)` for an A x B matrix.
 
     Param groups may set:
       - `use_muon`: True/False for the whole group; default (None): 2-D parameters use Muon,
@@ -103,6 +110,7 @@ class Muon(MatrixOptimizer):
         cost: str = "flops",
         alpha: float = 1.0,
         capacity: int | None = None,
+        locality_slack: float = 1.0 / 3.0,
         grad_agreement: str = "auto",
     ):
         if cost not in ("flops", "numel"):
@@ -115,26 +123,27 @@ class Muon(MatrixOptimizer):
             use_muon=None, split_sizes=None,
         )
         super().__init__(params, defaults, owners=owners, alpha=alpha, capacity=capacity,
+                         locality_slack=locality_slack,
                          grad_agreement=grad_agreement)
 
     # --- engine hooks ([Note: matrix optimizer engine]) -----------------------------------------
 
     def _is_matrix(self, group: dict, p: torch.Tensor) -> bool:
-        return p.ndim == 2 if group["use_muon"] is None else bool(group["use_muon"])
+        return p.ndim >= 2 if group["use_muon"] is None else bool(group["use_muon"])
 
     def _validate_group(self, group: dict) -> None:
         _validate(group)
 
-    def _check_matrix(self, group: dict, p: torch.Tensor, index: str) -> None:
-        if p.ndim != 2:
-            raise ValueError(f"use_muon=True needs 2-D parameters; {index} has shape "
-                             f"{list(p.shape)}")
+    def _check_one(self, group: dict, shape: tuple[int, int], index: str) -> None:
         split = group["split_sizes"]
-        if split is not None and sum(split) != p.shape[0]:
+        if split is not None and sum(split) != shape[0]:
             raise ValueError(
                 f"split_sizes={list(split)} must sum to the rows of every matrix of the "
-                f"group; {index} has shape {list(p.shape)}"
+                f"group; {index} has matrices of shape {list(shape)}"
             )
+        if split is not None and tuple(group["matrix_dims"]) == (-1, -2):
+            raise ValueError(f"Muon: split_sizes with matrix_dims=(-1, -2) ({index}): split "
+                             "rows of matrices stored transposed are not supported")
 
     def _init_state(self, p: torch.Tensor, group: dict, matrix: bool) -> None:
         # State exists for every parameter on every rank from the start (checkpoints see
@@ -153,15 +162,15 @@ class Muon(MatrixOptimizer):
     def _plan_blocks(self, m: Matrix):
         return m.group["split_sizes"]
 
-    def _make_extra(self, group: dict, p: torch.Tensor, layout):
-        rows, cols = p.shape
+    def _make_extra(self, m: Matrix):
+        rows, cols = m.shape
+        group = m.group
         splits = tuple(group["split_sizes"] or (rows,))
         scales = [adjusted_lr(1.0, group["adjust_lr_fn"], r, cols) for r in splits]
-        return _local_blocks(layout, p.shape, splits, scales)
+        return _local_blocks(m.layout, m.shape, splits, scales)
 
-    def _prepare(self, m: Matrix, g: torch.Tensor) -> torch.Tensor:
+    def _prepare(self, p: torch.Tensor, group: dict, g: torch.Tensor) -> torch.Tensor:
         """Momentum and weight decay on the local shard; returns the update to orthogonalise."""
-        p, group = m.param, m.group
         mu = group["momentum"]
         buf = local(self.state[p]["momentum_buffer"])
         buf.lerp_(g, 1 - mu)
@@ -178,7 +187,7 @@ class Muon(MatrixOptimizer):
         """The flat, contiguous orthogonalised update of matrix `m` from its full flat values."""
         g = m.group
         blocks = orthogonalize(
-            full.view(m.param.shape),
+            m.as_matrix(full),
             split_sizes=g["split_sizes"],
             coefficients=g["ns_coefficients"],
             steps=g["ns_steps"],
@@ -186,13 +195,13 @@ class Muon(MatrixOptimizer):
             dtype=self._update_dtype(full.device),
         )
         if len(blocks) == 1:
-            return blocks[0].reshape(-1)
+            return m.to_flat(blocks[0])
         return torch.cat([b.reshape(-1) for b in blocks])
 
     def _apply(self, m: Matrix, piece: torch.Tensor) -> None:
         """p -= lr_block * update on this rank's piece, `piece` being the update's elements
         there (flat, in the local tensor's order)."""
-        flat = local(m.param).view(-1)
+        flat = m.local(m.param)
         lr = m.group["lr"]
         for begin, end, scale in m.extra:
             flat[begin:end].add_(piece[begin:end], alpha=-lr * scale)
@@ -230,7 +239,7 @@ def _validate(group: dict) -> None:
         ("adamw_eps", group["adamw_eps"] >= 0),
         ("ns_coefficients", len(group["ns_coefficients"]) == 3),
         ("betas", len(group["betas"]) == 2 and all(0 <= b < 1 for b in group["betas"])),
-        ("adjust_lr_fn", group["adjust_lr_fn"] in (None, "original", "match_rms_adamw")),
+        ("adjust_lr_fn", group["adjust_lr_fn"] in ADJUST_LR_FNS),
     ]
     for name, ok in checks:
         if not ok:

@@ -15,7 +15,7 @@ import torch
 __all__ = ["orthogonalize", "adjusted_lr", "DEFAULT_COEFFICIENTS"]
 
 DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 
 
 def _newton_schulz(
@@ -60,11 +60,14 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
     """torch.optim.Muon's learning-rate scale for an A x B (block of a) matrix.
 
     "original" (None): lr * sqrt(max(1, A/B)); "match_rms_adamw": lr * 0.2 * sqrt(max(A, B)), which
-    gives the update the RMS of a typical AdamW update (Moonshot).
+    gives the update the RMS of a typical AdamW update (Moonshot); "spectral_unclamped":
+    lr * sqrt(A/B) (Bernstein's scaling, torch 2.15).
     """
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1, rows / cols))
     if adjust_lr_fn == "match_rms_adamw":
         return lr * (0.2 * math.sqrt(max(rows, cols)))
+    if adjust_lr_fn == "spectral_unclamped":
+        return lr * math.sqrt(rows / cols)
     raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
 

@@ -21,9 +21,10 @@ __all__ = ["OwnerPlan", "plan_owners", "block_costs", "STRATEGIES", "COSTS"]
 
 #: Owner strategies (csrc/optim/owners.h): Keller Jordan's round robin, global LPT with
 #: capacity-bounded micro-groups (Canzona Algorithm 3), alpha-balanced contiguous runs per
-#: bucket (Canzona Algorithm 1), and the layer-wise baseline (each bucket whole on one rank,
-#: buckets by LPT over their total costs).
-STRATEGIES = ("naive", "lpt", "alpha", "layer")
+#: bucket (Canzona Algorithm 1), the layer-wise baseline (each bucket whole on one rank,
+#: buckets by LPT over their total costs), and locality-aware LPT (a matrix one rank holds
+#: whole is owned there, unless the load bound says otherwise).
+STRATEGIES = ("naive", "lpt", "alpha", "layer", "local")
 #: Cost models per row block ``r x c`` (``[Note: matrix owner plan]``): ``"flops"``, Muon's
 #: Newton-Schulz FLOPs ``ns_steps * (4 s^2 l + 2 s^3)`` with ``s = min(r, c)``,
 #: ``l = max(r, c)``; ``"numel"``, ``r * c``; ``"shampoo"`` and ``"soap"``, the FLOPs of a step
@@ -46,14 +47,24 @@ class OwnerPlan:
             consecutive matrices; ``alpha`` has one group per bucket (ascending bucket id),
             matrices in input order; ``layer`` has one group of every matrix in input order.
         loads: per rank, the summed cost of the matrices it owns.
-        capacity: ``lpt``: the most cost a rank gains within one group (only a lone matrix
-            above it is allowed to exceed it); ``0`` for the other strategies.
+        capacity: ``lpt`` and ``local``: the most cost a rank gains within one group (only a
+            lone matrix above it is allowed to exceed it); ``0`` for the other strategies.
+        moved: with ``held``, the elements that travel to their owners per step (the updates
+            travel back as many); ``-1`` without it.
     """
 
     owners: tuple[int, ...]
     groups: tuple[tuple[int, ...], ...]
     loads: tuple[int, ...]
     capacity: int = 0
+    moved: int = -1
+
+    def bytes_per_step(self, element_size: int) -> int:
+        """Bytes the gathers and scatters put on the wire per step (every rank together):
+        each moved element once to its owner and once back, at `element_size` bytes."""
+        if self.moved < 0:
+            raise ValueError("OwnerPlan.bytes_per_step: the plan was made without `held`")
+        return 2 * self.moved * element_size
 
     @property
     def world(self) -> int:
@@ -133,6 +144,8 @@ def plan_owners(
     buckets: Optional[Sequence[int]] = None,
     precondition_frequency: int = 1,
     max_preconditioner_dim: int = 1024,
+    held: Optional[Sequence[Sequence[int]]] = None,
+    locality_slack: float = 1.0 / 3.0,
 ) -> OwnerPlan:
     """Plans which rank computes the update of each matrix (``[Note: matrix owner plan]``).
 
@@ -143,7 +156,10 @@ def plan_owners(
             ``"naive"`` (matrix ``i`` on rank ``i % world_size``), ``"alpha"`` (Canzona's
             alpha-balanced contiguous runs within each bucket) or ``"layer"`` (the layer-wise
             baseline: each bucket whole on one rank, buckets largest total cost first onto the
-            least loaded rank; without ``buckets`` each matrix is its own bucket).
+            least loaded rank; without ``buckets`` each matrix is its own bucket) or
+            ``"local"`` (locality-aware: a matrix one rank holds whole, per ``held``, is owned
+            there; the rest by LPT around them; homes given up only while the most loaded rank
+            is above ``(1 + locality_slack)`` times the load lower bound).
         cost: the cost model balanced, per row block ``r x c`` (:func:`block_costs` gives the
             per-matrix values): ``"flops"`` (Muon's Newton-Schulz FLOPs, the default),
             ``"numel"`` (``r * c``), ``"shampoo"`` (blocked Shampoo on tiles of at most
@@ -165,6 +181,10 @@ def plan_owners(
             preconditioner refreshes.
         max_preconditioner_dim: ``"shampoo"`` and ``"soap"`` only, ``>= 1``: the largest
             preconditioned side (Shampoo's tile size; SOAP's largest factor).
+        held: optional, per matrix the elements each of the ``world_size`` ranks already holds
+            (what its layout puts there); ``"local"`` keeps matrices where they are whole, and
+            every strategy then reports ``moved``.
+        locality_slack: ``"local"`` only, ``>= 0`` (default 1/3, LPT's worst-case factor).
 
     Returns:
         A frozen :class:`OwnerPlan`.
@@ -173,8 +193,9 @@ def plan_owners(
         ValueError: a bad shape or split, ``world_size < 1``, an unknown strategy or cost,
             ``alpha`` outside ``[0, 1]``, ``capacity < 1``, ``ns_steps < 1``,
             ``precondition_frequency < 1``, ``max_preconditioner_dim < 1``, a bucket id < 0 or
-            a ``buckets`` length that differs from ``shapes``, or costs overflowing int64; the
-            message names the argument and its value.
+            a ``buckets`` length that differs from ``shapes``, a ``held`` table of the wrong
+            size or with an entry outside ``[0, numel]``, ``locality_slack < 0``, or costs
+            overflowing int64; the message names the argument and its value.
         TypeError: a size is not an int.
     """
     rows, cols, counts = _blocks(shapes, split_sizes)
@@ -188,7 +209,22 @@ def plan_owners(
     cost, ns_steps, frequency, max_dim = _cost_args(
         cost, ns_steps, precondition_frequency, max_preconditioner_dim
     )
-    owners, offsets, members, loads, used_capacity = torch.ops.veragged.plan_owners(
+    table = []
+    if held is not None:
+        held = list(held)
+        if len(held) != len(counts):
+            raise ValueError(f"held must have one row per shape, got {len(held)} rows for "
+                             f"{len(counts)} shapes")
+        world = _int("world_size", world_size)
+        for i, row in enumerate(held):
+            row = list(row)
+            if len(row) != world:
+                raise ValueError(f"held[{i}] must have world_size = {world} entries, got "
+                                 f"{len(row)}")
+            table += [_int(f"held[{i}][{r}]", h) for r, h in enumerate(row)]
+    if not isinstance(locality_slack, numbers.Real):
+        raise TypeError(f"locality_slack must be a real number, got {locality_slack!r}")
+    owners, offsets, members, loads, used_capacity, moved = torch.ops.veragged.plan_owners(
         rows,
         cols,
         counts,
@@ -201,9 +237,13 @@ def plan_owners(
         ns_steps,
         frequency,
         max_dim,
+        table,
+        float(locality_slack),
     )
     groups = tuple(tuple(members[a:b]) for a, b in zip(offsets, offsets[1:], strict=False))
-    return OwnerPlan(tuple(owners), groups, tuple(loads), used_capacity)
+    if held is not None and not counts:  # no matrices: nothing moves
+        moved = 0
+    return OwnerPlan(tuple(owners), groups, tuple(loads), used_capacity, moved)
 
 
 def block_costs(

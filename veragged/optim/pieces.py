@@ -40,7 +40,8 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from veragged.placement.collectives import alive
 from veragged.placement.ragged_shard import RaggedShard
 
-__all__ = ["MatrixLayout", "check_placements", "domain_group", "matrix_layout", "shard_blocks"]
+__all__ = ["MatrixLayout", "check_placements", "domain_group", "matrix_layout", "shard_blocks",
+           "slice_layout"]
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
@@ -307,3 +308,64 @@ def _pieces(shape, mesh, placements, coords):
     for a in (offsets, counts, lengths, strides):
         out.append(tuple(np.where(empty, 0, a).tolist()))
     return tuple(out)
+
+
+# [Note: matrices of a stack]
+# An expert stack [E, out, in] (or any tensor whose leading dims batch matrices) is optimised as
+# E matrices. Matrix e is the flat range [e * M, (e + 1) * M) of the row-major tensor, M = out *
+# in, so its pieces are the intersections of that range with every rank's runs: one interval
+# where a rank's piece is an interval (FSDP, EP's Shard(0), TP on a stack dim, whose runs hold
+# whole matrices) or where one run covers the matrix; whole runs, `stride` apart, where TP cuts
+# a dim of the matrix (Shard on `in`: one run per row; on `out`: one run, an interval). Either
+# way it is a MatrixLayout of its own, and on each rank the piece is a contiguous range of the
+# local tensor (the rank's runs are stored in order), so a stack's matrices are views of the
+# local shard, of its gradient and of its state.
+
+
+def slice_layout(layout: MatrixLayout, start: int, numel: int) -> tuple[MatrixLayout, tuple[int, int]]:
+    """The layout of the flat range [start, start + numel) of `layout`'s tensor ([Note: matrices
+    of a stack]), and this rank's piece of it as a range of its local (flat) tensor."""
+    offsets, counts, lengths, strides, spans = [], [], [], [], []
+    for r in range(layout.world):
+        piece, span = _slice_piece(layout.offsets[r], layout.counts[r], layout.lengths[r],
+                                   layout.strides[r], start, numel)
+        for out, v in zip((offsets, counts, lengths, strides), piece):
+            out.append(v)
+        spans.append(span)
+    sub = MatrixLayout(layout.group, layout.rank, numel, tuple(offsets), tuple(counts),
+                       tuple(lengths), tuple(strides))
+    return sub, spans[layout.rank]
+
+
+def _slice_piece(off: int, count: int, length: int, stride: int, start: int, numel: int):
+    """((offset, count, length, stride) relative to `start`, (local begin, local end)) of one
+    rank's piece cut to [start, start + numel)."""
+    end = start + numel
+    if count * length == 0:
+        return (0, 0, 0, 0), (0, 0)
+    if count <= 1:
+        lo, hi = max(off, start), min(off + length, end)
+        if hi <= lo:
+            return (0, 0, 0, 0), (0, 0)
+        return (lo - start, 1, hi - lo, hi - lo), (lo - off, hi - off)
+    first = max(0, (start - off - length) // stride)
+    last = min(count, (end - off) // stride + 1)
+    runs = []
+    for k in range(first, last):
+        lo, hi = max(off + k * stride, start), min(off + k * stride + length, end)
+        if hi > lo:
+            runs.append((k, lo, hi))
+    if not runs:
+        return (0, 0, 0, 0), (0, 0)
+    if len(runs) == 1:
+        k, lo, hi = runs[0]
+        local = k * length + lo - (off + k * stride)
+        return (lo - start, 1, hi - lo, hi - lo), (local, local + hi - lo)
+    if any(hi - lo != length for _, lo, hi in runs):
+        raise NotImplementedError(
+            f"a matrix of {numel} elements at flat offset {start} cuts runs of {length} "
+            f"elements ({stride} apart) of a rank's piece; the optimizers take stacks whose "
+            "matrices hold whole runs or lie within one")
+    k0, k1 = runs[0][0], runs[-1][0]
+    return ((runs[0][1] - start, k1 - k0 + 1, length, stride),
+            (k0 * length, (k1 + 1) * length))

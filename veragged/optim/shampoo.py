@@ -3,6 +3,7 @@ not."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Iterable
 
 import torch
@@ -38,8 +39,8 @@ class Shampoo(MatrixOptimizer):
       - from `start_preconditioning_step` on the direction is S = L^-1/4 M_hat R^-1/4 scaled to
         the grafting direction's norm, S * ||graft|| / (||S|| + 1e-16); before it, graft;
       - decoupled weight decay dir <- dir + weight_decay * p, then (with `momentum`) the
-        buffer B = momentum B + (1 - dampening) dir and dir <- B (Nesterov: dir + momentum B),
-        then p <- p - lr * dir.
+        buffer B = momentum B + (1 - dampening) dir and dir <- B (Nesterov: (1 - dampening) dir
+        + momentum B, as Distributed Shampoo), then p <- p - lr * dir.
     Where this differs from Distributed Shampoo's defaults (on purpose): 1-D parameters take
     the Adam grafting step instead of a full-matrix factor, 2-D parameters are never merged
     into one vector however small (always two factors, 4th roots), Adam grafting is on by
@@ -74,10 +75,12 @@ class Shampoo(MatrixOptimizer):
         owners: str = "lpt",
         alpha: float = 1.0,
         capacity: int | None = None,
+        locality_slack: float = 1.0 / 3.0,
         grad_agreement: str = "auto",
     ):
         if start_preconditioning_step == -1:
             start_preconditioning_step = precondition_frequency
+        self.root_failures: dict[str, int] = {}  # matrix label -> refreshes that kept the root
         defaults = dict(
             lr=lr, betas=tuple(betas), epsilon=epsilon, momentum=momentum, dampening=dampening,
             weight_decay=weight_decay, max_preconditioner_dim=max_preconditioner_dim,
@@ -87,12 +90,13 @@ class Shampoo(MatrixOptimizer):
             graft_epsilon=graft_epsilon, precondition=None,
         )
         super().__init__(params, defaults, owners=owners, alpha=alpha, capacity=capacity,
+                         locality_slack=locality_slack,
                          grad_agreement=grad_agreement)
 
     # --- engine hooks ([Note: matrix optimizer engine]) -----------------------------------------
 
     def _is_matrix(self, group: dict, p: torch.Tensor) -> bool:
-        return p.ndim == 2 if group["precondition"] is None else bool(group["precondition"])
+        return p.ndim >= 2 if group["precondition"] is None else bool(group["precondition"])
 
     def _validate_group(self, group: dict) -> None:
         b1, b2 = group["betas"] if len(group["betas"]) == 2 else (-1, -1)
@@ -119,11 +123,6 @@ class Shampoo(MatrixOptimizer):
                 f"{group['start_preconditioning_step']} must be >= precondition_frequency="
                 f"{group['precondition_frequency']} (the roots are first computed then)")
 
-    def _check_matrix(self, group: dict, p: torch.Tensor, index: str) -> None:
-        if p.ndim != 2:
-            raise ValueError(f"Shampoo: precondition=True needs 2-D parameters; {index} has "
-                             f"shape {list(p.shape)}")
-
     def _init_state(self, p: torch.Tensor, group: dict, matrix: bool) -> None:
         state = self.state[p]
         state.setdefault("step", torch.tensor(0.0))
@@ -136,7 +135,7 @@ class Shampoo(MatrixOptimizer):
     def _tiles(self, m: Matrix) -> list[tuple[int, int, int, int]]:
         """(row0, rows, col0, cols) of every block of `m`, row-major."""
         d = m.group["max_preconditioner_dim"]
-        rows, cols = m.param.shape
+        rows, cols = m.shape
         out, r0 = [], 0
         for a in tiles(rows, d):
             c0 = 0
@@ -147,7 +146,7 @@ class Shampoo(MatrixOptimizer):
         return out
 
     def _owner_state(self, m: Matrix) -> dict:
-        shape = tuple(m.param.shape)
+        shape = m.shape
         out = {"exp_avg": (shape, torch.float32), "exp_avg_sq": (shape, torch.float32)}
         for k, (_, a, _, b) in enumerate(self._tiles(m)):
             out[f"factor_left_{k}"] = ((a, a), torch.float32)
@@ -160,15 +159,15 @@ class Shampoo(MatrixOptimizer):
         return dict(cost="shampoo", precondition_frequency=group["precondition_frequency"],
                     max_preconditioner_dim=group["max_preconditioner_dim"])
 
-    def _prepare(self, m: Matrix, g: torch.Tensor) -> torch.Tensor:
+    def _prepare(self, p: torch.Tensor, group: dict, g: torch.Tensor) -> torch.Tensor:
         return g
 
-    def _after_matrix(self, m: Matrix) -> None:
-        self.state[m.param]["step"] += 1
+    def _after_param(self, p: torch.Tensor) -> None:
+        self.state[p]["step"] += 1
 
     def _compute(self, m: Matrix, full: torch.Tensor) -> torch.Tensor:
         group = m.group
-        g = full.view(m.param.shape).float()
+        g = m.as_matrix(full).float()
         t = int(self.state[m.param]["step"]) + 1
         b1, b2 = group["betas"]
         owned = lambda name: self.owned_state(m, name)  # noqa: E731
@@ -187,8 +186,8 @@ class Shampoo(MatrixOptimizer):
             rl, rr = owned(f"root_left_{k}"), owned(f"root_right_{k}")
             if refresh:
                 scale = 1.0 - b2**t if (b2 < 1 and group["use_bias_correction"]) else 1.0
-                rl.copy_(inverse_root(fl / scale, 4, group["epsilon"]))
-                rr.copy_(inverse_root(fr / scale, 4, group["epsilon"]))
+                for side, factor, root in (("left", fl, rl), ("right", fr, rr)):
+                    self._refresh_root(m, f"factor_{side}_{k}", factor / scale, root, t, group)
             out = direction[r0:r0 + a, c0:c0 + b]
             grafted = graft[r0:r0 + a, c0:c0 + b]
             if not precondition:
@@ -196,10 +195,34 @@ class Shampoo(MatrixOptimizer):
                 continue
             s = rl @ filtered[r0:r0 + a, c0:c0 + b] @ rr
             out.copy_(s.mul_(grafted.norm() / (s.norm() + 1e-16)))
-        return direction.reshape(-1)
+        return m.to_flat(direction)
+
+    def _refresh_root(self, m: Matrix, name: str, factor: torch.Tensor, root: torch.Tensor,
+                      t: int, group: dict) -> None:
+        """root <- (factor + epsilon I)^(-1/4), unless the factor is not finite or its
+        eigendecomposition fails: then the previous root stays, the failure is counted in
+        `root_failures[m.label]` and warned about once per matrix (Distributed Shampoo's
+        tolerance for failed root computations; the owner alone sees its factors, so raising
+        here would leave the other ranks waiting in the next exchange)."""
+        try:
+            new = inverse_root(factor, 4, group["epsilon"]) if bool(
+                torch.isfinite(factor).all()) else None
+        except torch.linalg.LinAlgError:
+            new = None
+        if new is not None and bool(torch.isfinite(new).all()):
+            root.copy_(new)
+            return
+        count = self.root_failures.get(m.label, 0) + 1
+        self.root_failures[m.label] = count
+        if count == 1:
+            warnings.warn(f"Shampoo: {name} of {m.label} is not finite or its "
+                          f"eigendecomposition failed at step {t} (a NaN or inf gradient?); "
+                          "keeping its previous root (counted in Shampoo.root_failures)",
+                          RuntimeWarning, stacklevel=2)
 
     def _apply(self, m: Matrix, piece: torch.Tensor) -> None:
-        _descend(m.param, piece, self.state[m.param], m.group)
+        buf = self.state[m.param].get("momentum_buffer")
+        _descend(m.local(m.param), piece, None if buf is None else m.local(buf), m.group)
 
     def _step_elementwise(self, p: torch.Tensor, g: torch.Tensor, group: dict) -> None:
         state = self.state[p]
@@ -207,7 +230,9 @@ class Shampoo(MatrixOptimizer):
         exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
         direction, _ = _graft(g, exp_avg, exp_avg_sq, t, group)
         state["step"] += 1
-        _descend(p, direction.reshape(-1), state, group)
+        buf = state.get("momentum_buffer")
+        _descend(local(p).view(-1), direction.reshape(-1),
+                 None if buf is None else local(buf).view(-1), group)
 
 
 def _accumulate(factor: torch.Tensor, gram: torch.Tensor, beta2: float) -> None:
@@ -242,17 +267,20 @@ def _graft(g, exp_avg, exp_avg_sq, t: int, group: dict) -> tuple[torch.Tensor, t
     return filtered / v.sqrt().add_(group["graft_epsilon"]), filtered
 
 
-def _descend(p: torch.Tensor, direction: torch.Tensor, state: dict, group: dict) -> None:
+def _descend(param: torch.Tensor, direction: torch.Tensor, buf: torch.Tensor | None,
+             group: dict) -> None:
     """Decoupled weight decay (direction += weight_decay * p), momentum (Nesterov), then
-    p -= lr * direction, on the local shard (`direction` flat in its order)."""
-    param = local(p).view(-1)
+    p -= lr * direction, on flat local values (`param`, its momentum `buf`, `direction` in the
+    same order)."""
     lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
     if wd > 0:
         direction = direction.add(param, alpha=wd)
     if mu > 0:
-        buf = local(state["momentum_buffer"]).view(-1)
         buf.mul_(mu).add_(direction, alpha=1 - group["dampening"])
-        direction = direction.add(buf, alpha=mu) if group["use_nesterov"] else buf
+        if group["use_nesterov"]:  # Distributed Shampoo's: (1 - dampening) P + momentum M
+            direction = direction.mul(1 - group["dampening"]).add_(buf, alpha=mu)
+        else:
+            direction = buf
     param.add_(direction, alpha=-lr)
 
 

@@ -65,6 +65,7 @@ class SOAP(MatrixOptimizer):
         owners: str = "lpt",
         alpha: float = 1.0,
         capacity: int | None = None,
+        locality_slack: float = 1.0 / 3.0,
         grad_agreement: str = "auto",
     ):
         defaults = dict(
@@ -73,19 +74,20 @@ class SOAP(MatrixOptimizer):
             max_precond_dim=max_precond_dim, correct_bias=correct_bias, precondition=None,
         )
         super().__init__(params, defaults, owners=owners, alpha=alpha, capacity=capacity,
+                         locality_slack=locality_slack,
                          grad_agreement=grad_agreement)
 
     # --- engine hooks ([Note: matrix optimizer engine]) -----------------------------------------
 
     @staticmethod
-    def _sides(group: dict, p: torch.Tensor) -> tuple[bool, bool]:
+    def _sides(group: dict, shape: tuple[int, int]) -> tuple[bool, bool]:
         d = group["max_precond_dim"]
-        return p.shape[0] <= d, p.shape[1] <= d
+        return shape[0] <= d, shape[1] <= d
 
     def _is_matrix(self, group: dict, p: torch.Tensor) -> bool:
-        if group["precondition"] is False or p.ndim != 2:
+        if group["precondition"] is False or p.ndim < 2:
             return False
-        return any(self._sides(group, p))
+        return any(self._sides(group, self._matrix_shape(group, p)))
 
     def _validate_group(self, group: dict) -> None:
         b1, b2 = group["betas"] if len(group["betas"]) == 2 else (-1, -1)
@@ -103,11 +105,6 @@ class SOAP(MatrixOptimizer):
             if not ok:
                 raise ValueError(f"SOAP: invalid {name}={group[name]!r}")
 
-    def _check_matrix(self, group: dict, p: torch.Tensor, index: str) -> None:
-        if p.ndim != 2:
-            raise ValueError(f"SOAP: precondition=True needs 2-D parameters; {index} has shape "
-                             f"{list(p.shape)}")
-
     def _init_state(self, p: torch.Tensor, group: dict, matrix: bool) -> None:
         state = self.state[p]
         state.setdefault("step", torch.tensor(0.0))  # calls so far; the first only initialises
@@ -116,8 +113,8 @@ class SOAP(MatrixOptimizer):
             state.setdefault("exp_avg_sq", torch.zeros_like(p))
 
     def _owner_state(self, m: Matrix) -> dict:
-        rows, cols = m.param.shape
-        left, right = self._sides(m.group, m.param)
+        rows, cols = m.shape
+        left, right = self._sides(m.group, m.shape)
         moment = ((rows, cols), torch.float32)
         out = {"exp_avg": moment, "exp_avg_sq": moment}
         if left:
@@ -132,19 +129,19 @@ class SOAP(MatrixOptimizer):
         return dict(cost="soap", precondition_frequency=group["precondition_frequency"],
                     max_preconditioner_dim=group["max_precond_dim"])
 
-    def _prepare(self, m: Matrix, g: torch.Tensor) -> torch.Tensor:
+    def _prepare(self, p: torch.Tensor, group: dict, g: torch.Tensor) -> torch.Tensor:
         return g
 
     def _has_update(self, m: Matrix) -> bool:
         return bool(self.state[m.param]["step"] > 0)
 
-    def _after_matrix(self, m: Matrix) -> None:
-        self.state[m.param]["step"] += 1
+    def _after_param(self, p: torch.Tensor) -> None:
+        self.state[p]["step"] += 1
 
     def _compute(self, m: Matrix, full: torch.Tensor):
         group = m.group
-        g = full.view(m.param.shape).float()
-        left, right = self._sides(group, m.param)
+        g = m.as_matrix(full).float()
+        left, right = self._sides(group, m.shape)
         owned = lambda name: self.owned_state(m, name)  # noqa: E731
         fl = owned("factor_left") if left else None
         fr = owned("factor_right") if right else None
@@ -175,7 +172,7 @@ class SOAP(MatrixOptimizer):
                 exp_avg_sq.copy_(exp_avg_sq.index_select(dim, order))
                 q.copy_(basis)
             exp_avg.copy_(project(moment, ql, qr))
-        return update.reshape(-1)
+        return m.to_flat(update)
 
     def _step_size(self, group: dict, t: int) -> float:
         if not group["correct_bias"]:
@@ -185,7 +182,7 @@ class SOAP(MatrixOptimizer):
 
     def _apply(self, m: Matrix, piece: torch.Tensor) -> None:
         step_size = self._step_size(m.group, int(self.state[m.param]["step"]))
-        _descend(local(m.param).view(-1), piece, step_size, m.group)
+        _descend(m.local(m.param), piece, step_size, m.group)
 
     def _step_elementwise(self, p: torch.Tensor, g: torch.Tensor, group: dict) -> None:
         state = self.state[p]
