@@ -10,6 +10,9 @@ per transformer block, plus one for the embedding, output head and final norm ma
               in micro-groups, one all-to-all each, pipelined with the compute;
   SC          owners="replicated": every rank gathers every matrix and computes all of them
               (Canzona's synchronous baseline, what DDP-style implementations do);
+  local       owners="local": the locality-aware plan (a matrix one rank holds whole is
+              computed there; here FSDP splits every dense matrix, so it plans as lpt does,
+              ties going to the rank holding more of a matrix);
   layer-wise  owners="layer": each param group (a transformer block) whole on one rank, blocks
               by LPT over their costs, one exchange (NVIDIA's layer-wise distributed optimizer,
               Distributed Shampoo's per-parameter assignment).
@@ -38,7 +41,16 @@ Target for lpt: ratio <= 1.05 wherever the bound allows it, equal to the bound e
 where lpt is above both 1.05 and `bound` but equal to `tight` is optimal ("@tight"): no plan does
 better on those shapes.
 
-Prints both tables, whether each target is met, then one JSON line with every number (`--json`:
+Part 3, MoE. Muon on veragged.testing.moe's MoE (16 experts per layer, [E, dim, hidden] stacks,
+each expert one matrix: [Note: matrices of a stack]) under veragged.fully_shard with experts
+planned whole (granularity: one expert), owners "local" (locality-aware: an expert is computed
+on the rank that holds it), "lpt", "layer" and "replicated" (SC), synthetic gradients. Columns:
+the median step time of the slowest rank, the bytes every rank received from the others in the
+step's all-to-alls and all-gathers (`veragged.testing.traffic.PeerTraffic`, summed over ranks),
+the expert elements the plan sends to their owners, and the plan's max/mean load. Target: local
+sends <= 0.2x lpt's bytes and is no slower than lpt.
+
+Prints the tables, whether each target is met, then one JSON line with every number (`--json`:
 only the JSON on stdout). `--quick`: a tiny model and two DP sizes (a smoke run for tests).
 The default run takes about 6 minutes on 2 CPU cores, most of it in SC's Shampoo and SOAP steps.
 """
@@ -61,7 +73,7 @@ WORLD = 4
 MODEL = (384, 4)
 QUICK_MODEL = (64, 2)
 OPTIMIZERS = ("Muon", "Shampoo", "SOAP")
-MODES = {"owners": "lpt", "SC": "replicated", "layer-wise": "layer"}
+MODES = {"owners": "lpt", "local": "local", "SC": "replicated", "layer-wise": "layer"}
 # warmup, measured steps: SOAP's 30 cover three refreshes (steps 10, 20, 30 of its counter).
 STEPS = {"Muon": (2, 6), "Shampoo": (1, 3), "SOAP": (2, 30)}
 QUICK_STEPS = {"Muon": (1, 2), "Shampoo": (1, 2), "SOAP": (1, 3)}
@@ -163,6 +175,101 @@ def step_times(dim, layers, step_counts):
         for r in rows[name].values():
             r["speedup_vs_sc"] = base / r["step_s"]
     return rows
+
+
+# Part 3: Muon on an MoE whose experts the planner keeps whole (one expert per block).
+MOE = dict(dim=192, hidden=96, experts=16, layers=2)
+QUICK_MOE = dict(dim=32, hidden=16, experts=16, layers=1)
+MOE_MODES = {"local": "local", "lpt": "lpt", "layer-wise": "layer", "SC": "replicated"}
+MOE_STEPS, QUICK_MOE_STEPS = (2, 6), (1, 2)
+BYTES_TARGET = 0.2
+
+
+def _moe_worker(mode, spec, warmup, steps):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import veragged
+    from veragged.testing.grads import set_grads
+    from veragged.testing.moe import MoE, MoEConfig
+    from veragged.testing.traffic import PeerTraffic
+
+    cfg = MoEConfig(vocab=256, dim=spec["dim"], layers=spec["layers"], heads=4,
+                    experts=spec["experts"], top_k=2, hidden=spec["hidden"])
+    torch.manual_seed(0)
+    model = MoE(cfg)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def whole_experts(fqn, p):
+        return p[0].numel() if p.ndim == 3 else None
+
+    for block in model.blocks:
+        veragged.fully_shard(block, mesh=mesh, granularity_fn=whole_experts)
+    veragged.fully_shard(model, mesh=mesh, granularity_fn=whole_experts)
+    blocks = [{"params": list(b.parameters())} for b in model.blocks]
+    inner = {id(p) for b in model.blocks for p in b.parameters()}
+    rest = [p for p in model.parameters() if id(p) not in inner]
+    opt = veragged.optim.Muon(blocks + [{"params": rest, "use_muon": False}], lr=0.02,
+                              owners=MOE_MODES[mode])
+    params = list(model.parameters())
+    times = []
+    for step in range(warmup + steps):
+        set_grads(params, step)
+        dist.barrier()
+        start = time.perf_counter()
+        opt.step()
+        t = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if step >= warmup:
+            times.append(t.item())
+    set_grads(params, warmup + steps)
+    with PeerTraffic() as traffic:
+        opt.step()
+    received = torch.tensor(traffic.bytes, dtype=torch.int64)
+    dist.all_reduce(received)  # every rank's bytes from the others: the network's total
+    experts = [m for m in opt.matrices() if m.index is not None]
+    moved = sum(m.layout.numel - m.layout.size(m.owner) for m in experts
+                if m.owner is not None) if opt.owner_plans else None
+    plan = opt.owner_plans[0] if opt.owner_plans else None
+    return {
+        "step_s": statistics.median(times),
+        "steps_s": times,
+        "bytes": int(received.item()),
+        "expert_elements_moved": moved,
+        "ratio": plan.ratio if plan else None,
+        "matrices": len(opt.matrices()),
+        "experts": len(experts),
+    }
+
+
+def moe_step_times(spec, step_counts):
+    from veragged.testing.pool import get_pool
+
+    pool = get_pool(WORLD, device="cpu")
+    warmup, steps = step_counts
+    rows = {}
+    for mode in MOE_MODES:
+        rows[mode] = pool.run(_moe_worker, mode, spec, warmup, steps, timeout=1800)[0]
+    for r in rows.values():
+        r["time_vs_lpt"] = r["step_s"] / rows["lpt"]["step_s"]
+        r["bytes_vs_lpt"] = r["bytes"] / rows["lpt"]["bytes"] if rows["lpt"]["bytes"] else None
+    return rows
+
+
+def print_moe_table(rows, spec, out):
+    print(f"Muon on an MoE ({spec['experts']} experts per layer, {spec['layers']} layers, dim "
+          f"{spec['dim']}, expert hidden {spec['hidden']}; experts planned whole), {WORLD} gloo "
+          "ranks (slowest rank)", file=out)
+    head = ["owners", "step ms", "vs lpt", "bytes/step", "vs lpt", "expert elems moved",
+            "ratio"]
+    lines = []
+    for mode, r in rows.items():
+        moved = "-" if r["expert_elements_moved"] is None else f"{r['expert_elements_moved']:,}"
+        lines.append([
+            mode, f"{r['step_s'] * 1e3:.1f}", f"{r['time_vs_lpt']:.2f}", f"{r['bytes']:,}",
+            "-" if r["bytes_vs_lpt"] is None else f"{r['bytes_vs_lpt']:.2f}", moved,
+            "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
+        ])
+    _print_lines(head, lines, out)
 
 
 def print_step_table(rows, dim, layers, out):
@@ -272,6 +379,18 @@ def main(argv=None):
           + ("met" if speed_met else "NOT met (" + ", ".join(slow) + ")"), file=out)
     print(file=out)
 
+    moe_spec = QUICK_MOE if args.quick else MOE
+    moe = moe_step_times(moe_spec, QUICK_MOE_STEPS if args.quick else MOE_STEPS)
+    print_moe_table(moe, moe_spec, out)
+    local, lpt = moe["local"], moe["lpt"]
+    moe_bytes_met = local["bytes_vs_lpt"] is not None and local["bytes_vs_lpt"] <= BYTES_TARGET
+    moe_time_met = local["step_s"] <= lpt["step_s"]
+    print(f"target local bytes <= {BYTES_TARGET:g}x lpt's: "
+          + ("met" if moe_bytes_met else f"NOT met ({local['bytes_vs_lpt']})")
+          + f"; local no slower than lpt: {'met' if moe_time_met else 'NOT met'} "
+          f"({local['time_vs_lpt']:.2f}x)", file=out)
+    print(file=out)
+
     rows = balance(dp_sizes, models)
     print_balance_table(rows, out)
     verdicts = [r["lpt_verdict"] for r in rows]
@@ -293,6 +412,8 @@ def main(argv=None):
         "settings": {"Muon": "defaults", "Shampoo": "precondition_frequency=1, "
                      "max_preconditioner_dim=1024", "SOAP": "precondition_frequency=10"},
         "step": steps,
+        "moe": {"spec": moe_spec, "rows": moe, "bytes_target": BYTES_TARGET,
+                "bytes_met": moe_bytes_met, "time_met": moe_time_met},
         "speedup_target": SPEEDUP_TARGET,
         "speedup_met": speed_met,
         "cost_models": COST_MODELS,

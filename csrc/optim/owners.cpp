@@ -211,6 +211,8 @@ int64_t capacity_groups(const std::vector<int64_t>& order, const std::vector<int
   return capacity;
 }
 
+OwnerPlan plan_lpt(const std::vector<int64_t>& costs, int64_t world_size, int64_t capacity);
+
 OwnerPlan plan_local(const std::vector<int64_t>& costs, const std::vector<int64_t>& numels,
                      const std::vector<int64_t>& held, int64_t world_size, int64_t capacity,
                      double slack) {
@@ -218,6 +220,7 @@ OwnerPlan plan_local(const std::vector<int64_t>& costs, const std::vector<int64_
   auto holds = [&](std::size_t i, int64_t r) -> int64_t {
     return held.empty() ? 0 : held[i * world + static_cast<std::size_t>(r)];
   };
+  // 1. Every matrix one rank holds whole is owned there.
   std::vector<int64_t> owners(n, -1), loads(world, 0);
   std::vector<char> at_home(n, 0);
   for (std::size_t i = 0; i < n; ++i) {
@@ -229,12 +232,14 @@ OwnerPlan plan_local(const std::vector<int64_t>& costs, const std::vector<int64_
       }
     }
   }
+  // 2. The others by LPT around them: cost descending (ties: lower index), each to the least
+  //    loaded rank (ties: the rank holding more of it, then the lower rank).
   std::vector<int64_t> order(n);
   for (std::size_t i = 0; i < n; ++i) order[i] = static_cast<int64_t>(i);
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     return costs[a] != costs[b] ? costs[a] > costs[b] : a < b;
   });
-  for (int64_t item : order) {  // LPT for the matrices nobody holds whole
+  for (int64_t item : order) {
     if (owners[item] >= 0) continue;
     int64_t best = 0;
     for (int64_t r = 1; r < world_size; ++r) {
@@ -245,19 +250,26 @@ OwnerPlan plan_local(const std::vector<int64_t>& costs, const std::vector<int64_
     owners[item] = best;
     loads[best] += costs[item];
   }
-  int64_t total = 0, largest = 0;
-  for (int64_t c : costs) total += c, largest = std::max(largest, c);
-  const int64_t lower = std::max(ceil_div(total, world_size), largest);
-  const double extra = std::floor(slack * static_cast<double>(lower));
-  const int64_t bound = extra >= 9.2e18 ? INT64_MAX : add(lower, static_cast<int64_t>(extra),
-                                                          "the locality bound");
-  // Candidates to move: travelling before at home, cost descending, lower index.
+  // 3. While the most loaded rank m (ties: lower rank) is above what lpt reaches plus
+  //    delta = floor(slack * ceil(total / world)), move one of its matrices to the least
+  //    loaded rank l (ties: lower rank): the first, travelling before at home, cost
+  //    descending, lower index, with load[l] + c < load[m] (each move lowers the sum of
+  //    squared loads, so this ends); none: stop.
+  OwnerPlan lpt = plan_lpt(costs, world_size, capacity);
+  const std::vector<int64_t>& lpt_loads = lpt.loads;
+  int64_t total = 0;
+  for (int64_t c : costs) total += c;
+  const double extra = std::floor(slack * static_cast<double>(ceil_div(total, world_size)));
+  const int64_t lpt_max = lpt_loads.empty() ? 0 : *std::max_element(lpt_loads.begin(),
+                                                                     lpt_loads.end());
+  const int64_t target = extra >= 9.2e18 ? INT64_MAX
+                                         : add(lpt_max, static_cast<int64_t>(extra), "the bound");
   std::vector<int64_t> movable = order;
   std::stable_sort(movable.begin(), movable.end(),
                    [&](int64_t a, int64_t b) { return at_home[a] < at_home[b]; });
   while (true) {
     const auto m = std::max_element(loads.begin(), loads.end()) - loads.begin();
-    if (loads[m] <= bound) break;
+    if (loads[m] <= target) break;
     const auto l = std::min_element(loads.begin(), loads.end()) - loads.begin();
     int64_t chosen = -1;
     for (int64_t item : movable) {
@@ -270,6 +282,8 @@ OwnerPlan plan_local(const std::vector<int64_t>& costs, const std::vector<int64_
     owners[chosen] = l, at_home[chosen] = 0;
     loads[m] -= costs[chosen], loads[l] += costs[chosen];
   }
+  // 4. Still above the bound (single moves could not get there): lpt's plan.
+  if (!loads.empty() && *std::max_element(loads.begin(), loads.end()) > target) return lpt;
   OwnerPlan plan;
   plan.owners = std::move(owners);
   plan.capacity = capacity_groups(order, plan.owners, costs, world_size, capacity, plan.groups);

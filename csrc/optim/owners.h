@@ -90,22 +90,22 @@ namespace optim {
 //          (one exchange, as the layer-wise optimizer's single all-gatherv); capacity unused.
 //          Its balance is bounded by the largest bucket, so it is the baseline lpt and alpha
 //          improve on.
-//   local  Locality-aware LPT (the default of the matrix optimizers when it is no slower:
-//          benchmarks/optim_matrix.py). `held` gives, per matrix and rank, the elements the rank
-//          already holds. A matrix one rank holds whole (RaggedShard lets a planner keep an
-//          expert or a small matrix on one rank) is owned there: gathering it moves nothing.
-//          The other matrices go by LPT on top of those loads (cost descending, ties lower
-//          index; each to the least loaded rank, ties to the rank holding more of it, then the
-//          lower rank). Then, while the most loaded rank m (ties: lower rank) is above
-//          bound = L + floor(locality_slack * L), L = max(ceil(total / world), largest cost) (a
-//          lower bound of any plan's max load), one matrix of m moves to the least loaded rank l
-//          (ties: lower rank): the first, in the order (travelling before held at home, cost
-//          descending, lower index), whose cost c keeps load[l] + c < load[m]; none: stop.
-//          Each move lowers the sum of squared loads, so this ends. The default slack 1/3 is
-//          LPT's own worst-case factor (4/3): locality costs compute only where the plan would
-//          otherwise be worse than what LPT guarantees, and a move saves compute at the price
-//          of the matrix crossing the network twice per step. Micro-groups as lpt's (capacity
-//          bounded, cost descending).
+//   local  Locality-aware LPT (benchmarks/optim_matrix.py compares it with lpt). `held` gives,
+//          per matrix and rank, the elements the rank already holds. A matrix one rank holds
+//          whole (RaggedShard lets the planner keep an expert or a small matrix on one rank)
+//          is owned there: gathering it moves nothing. The other matrices go by LPT on top of
+//          those loads (cost descending, ties lower index; each to the least loaded rank, ties
+//          to the rank holding more of it, then the lower rank). Then, while the most loaded
+//          rank m (ties: lower rank) is above the max load of the lpt plan of the same matrices
+//          plus delta = floor(locality_slack * ceil(total / world)), one matrix of m moves to
+//          the least loaded rank l (ties: lower rank): the first, in the order (travelling
+//          before held at home, cost descending, lower index), whose cost c keeps
+//          load[l] + c < load[m]; none: stop. Each move lowers the sum of squared loads, so
+//          this ends. If m is still above the bound, the plan is lpt's. So the max load is at
+//          most lpt's plus delta, and a matrix leaves its home only where keeping it would cost
+//          more than that: the default slack 0.05 gives up at most 5% of a rank's mean load of
+//          compute, and each matrix kept home saves sending it to its owner and its update
+//          back, every step. Micro-groups as lpt's (capacity bounded, cost descending).
 // With `held`, every strategy reports `moved`: the elements that travel to their owners per
 // step (sum over matrices of numel minus what the owner holds; the updates travel back the
 // same number), so bytes on the wire per step are 2 * moved * the element size.
@@ -139,7 +139,7 @@ struct OwnerOptions {
   // Per matrix and rank (matrix-major: held[i * world + r]), the elements rank r holds of
   // matrix i, in [0, numel]; empty: unknown (local then plans as lpt, and moved is -1).
   std::vector<int64_t> held;
-  double locality_slack = 1.0 / 3.0;  // local only, >= 0
+  double locality_slack = 0.05;  // local only, >= 0
 };
 
 struct OwnerPlan {

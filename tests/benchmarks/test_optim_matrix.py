@@ -19,11 +19,17 @@ def test_optim_matrix_quick():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(result["step"]) == {"Muon", "Shampoo", "SOAP"}
     for modes in result["step"].values():
-        assert set(modes) == {"owners", "SC", "layer-wise"}
+        assert set(modes) == {"owners", "local", "SC", "layer-wise"}
         assert modes["SC"]["ratio"] is None and modes["SC"]["speedup_vs_sc"] == 1.0
         assert modes["layer-wise"]["groups"] == 1  # one exchange for the whole model
         for r in modes.values():
             assert r["step_s"] > 0 and len(r["steps_s"]) == r["steps"]
+    moe = result["moe"]["rows"]
+    assert set(moe) == {"local", "lpt", "layer-wise", "SC"}
+    # experts mostly computed where they lie (a few may move for balance: the locality slack)
+    assert moe["local"]["expert_elements_moved"] < moe["lpt"]["expert_elements_moved"]
+    assert moe["local"]["bytes"] < moe["lpt"]["bytes"]
+    assert moe["SC"]["expert_elements_moved"] is None
     assert "optimizer" in out.stderr and "lpt target" in out.stderr  # the tables
     rows = result["balance"]
     assert {r["optimizer"] for r in rows} == {"Muon", "Shampoo", "SOAP"}

@@ -17,6 +17,7 @@ from veragged.optim import SOAP, Muon, Shampoo
 from veragged.testing import get_mesh, run_on_ranks
 from veragged.testing.grads import set_grads
 from veragged.testing.moe import MoE, MoEConfig, expert_parallel
+from veragged.testing.traffic import PeerTraffic
 
 CFG = MoEConfig(vocab=48, dim=16, layers=2, heads=2, experts=4, top_k=2, hidden=12)
 NAMES = ["muon", "shampoo", "soap"]
@@ -183,6 +184,25 @@ def test_local_plan_moves_no_expert_bytes():
     assert experts_local == 0
     assert experts_lpt > 0
     assert sum(moved_local) < sum(moved_lpt)
+
+
+def _traffic(owners):
+    m = _moe("veragged", get_mesh(), whole_experts)
+    opt = _make("muon", m, owners=owners)
+    m.loss(torch.randint(0, CFG.vocab, (2, 9))).backward()
+    with PeerTraffic() as traffic:
+        opt.step()
+    return traffic.bytes, dict(traffic.by_op), [pl.bytes_per_step(4) for pl in opt.owner_plans]
+
+
+@pytest.mark.parametrize("owners", ["lpt", "local"])
+def test_plan_bytes_are_the_bytes_on_the_wire(owners):
+    """The plan's bytes per step (2 x moved x 4 bytes, fp32 on the CPU) are what the step's
+    all-to-alls receive from other ranks, summed over the ranks."""
+    results = run_on_ranks(_traffic, 4, args=(owners,))
+    measured = sum(r[0] for r in results)
+    assert measured == sum(results[0][2]), results
+    assert set(results[0][1]) <= {"alltoall_base_"}
 
 
 # ---- FSDP x EP --------------------------------------------------------------------------------

@@ -124,7 +124,7 @@ class MatrixOptimizer(Optimizer):
         owners: str = "lpt",
         alpha: float = 1.0,
         capacity: int | None = None,
-        locality_slack: float = 1.0 / 3.0,
+        locality_slack: float = 0.05,
         grad_agreement: str = "auto",
     ):
         self.grad_agreement = check_grad_agreement(self._NAME, grad_agreement)

@@ -110,7 +110,7 @@ class Muon(MatrixOptimizer):
         cost: str = "flops",
         alpha: float = 1.0,
         capacity: int | None = None,
-        locality_slack: float = 1.0 / 3.0,
+        locality_slack: float = 0.05,
         grad_agreement: str = "auto",
     ):
         if cost not in ("flops", "numel"):

@@ -145,7 +145,7 @@ def plan_owners(
     precondition_frequency: int = 1,
     max_preconditioner_dim: int = 1024,
     held: Optional[Sequence[Sequence[int]]] = None,
-    locality_slack: float = 1.0 / 3.0,
+    locality_slack: float = 0.05,
 ) -> OwnerPlan:
     """Plans which rank computes the update of each matrix (``[Note: matrix owner plan]``).
 
@@ -159,7 +159,7 @@ def plan_owners(
             least loaded rank; without ``buckets`` each matrix is its own bucket) or
             ``"local"`` (locality-aware: a matrix one rank holds whole, per ``held``, is owned
             there; the rest by LPT around them; homes given up only while the most loaded rank
-            is above ``(1 + locality_slack)`` times the load lower bound).
+            is above lpt's max load plus ``locality_slack`` times the mean load).
         cost: the cost model balanced, per row block ``r x c`` (:func:`block_costs` gives the
             per-matrix values): ``"flops"`` (Muon's Newton-Schulz FLOPs, the default),
             ``"numel"`` (``r * c``), ``"shampoo"`` (blocked Shampoo on tiles of at most
@@ -184,7 +184,8 @@ def plan_owners(
         held: optional, per matrix the elements each of the ``world_size`` ranks already holds
             (what its layout puts there); ``"local"`` keeps matrices where they are whole, and
             every strategy then reports ``moved``.
-        locality_slack: ``"local"`` only, ``>= 0`` (default 1/3, LPT's worst-case factor).
+        locality_slack: ``"local"`` only, ``>= 0``: how much compute (a share of the mean load)
+            a plan may give up beyond lpt's balance to keep matrices home (default 0.05).
 
     Returns:
         A frozen :class:`OwnerPlan`.

@@ -75,7 +75,7 @@ class Shampoo(MatrixOptimizer):
         owners: str = "lpt",
         alpha: float = 1.0,
         capacity: int | None = None,
-        locality_slack: float = 1.0 / 3.0,
+        locality_slack: float = 0.05,
         grad_agreement: str = "auto",
     ):
         if start_preconditioning_step == -1:

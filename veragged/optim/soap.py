@@ -65,7 +65,7 @@ class SOAP(MatrixOptimizer):
         owners: str = "lpt",
         alpha: float = 1.0,
         capacity: int | None = None,
-        locality_slack: float = 1.0 / 3.0,
+        locality_slack: float = 0.05,
         grad_agreement: str = "auto",
     ):
         defaults = dict(
