@@ -24,9 +24,9 @@ work dominates most), max_preconditioner_dim=1024; SOAP defaults, precondition_f
 of all modes are bitwise equal (tests/optim). Columns: the median over the measured steps
 (warmup excluded) of the slowest rank's step time (each rank's elapsed time after a barrier,
 all_reduce MAX), the mean (which, unlike the median, charges SOAP's refresh steps), the speedup
-vs SC (median), the median of the slowest rank's time inside `_compute` (the owner's matrix work;
-the rest of a step is the exchange, the elementwise work and waiting), and the plan's max/mean
-load. Target: owners >= 3x faster than SC for every optimizer (the ideal is ~4x on 4 ranks when
+vs SC (median), the median of the slowest rank's time inside `_compute_many` (the owner's
+matrix work; the rest of a step is the exchange, the elementwise work and waiting), and the
+plan's max/mean load. Target: owners >= 3x faster than SC for every optimizer (the ideal is ~4x on 4 ranks when
 the matrix work dominates). 4 ranks share the machine's cores, SC and owners alike.
 
 Part 2, balance. Every 2-D weight of the transformer layers of Qwen3-1.7B .. 32B (q, k, v, o,
@@ -122,15 +122,15 @@ def _worker(name, mode, dim, layers, warmup, steps):
     opt = _make_optimizer(name, model, MODES[mode])
     # Time inside the owner compute (the matrix work), per step, on this rank.
     computing = [0.0]
-    compute = opt._compute
+    compute = opt._compute_many
 
-    def timed_compute(m, full):
+    def timed_compute(ms, fulls):
         start = time.perf_counter()
-        out = compute(m, full)
+        out = compute(ms, fulls)
         computing[0] += time.perf_counter() - start
         return out
 
-    opt._compute = timed_compute
+    opt._compute_many = timed_compute
     params = list(model.parameters())
     times, compute_times = [], []
     for step in range(warmup + steps):

@@ -288,3 +288,113 @@ def test_dcp_save_on_4_load_on_2_resumes_bitwise(name, tmp_path):
     assert any(k.endswith("[3]") for k in keys), keys[:8]
     for a, b in zip(uninterrupted, resumed[0]):
         assert torch.equal(a, b)
+
+
+# ---- hostile stacks: test_matrix_hostile.py's cases on [E, out, in] parameters --------------
+
+
+class OddStacks(nn.Module):
+    """A chain of stacks of odd matrices (each layer averages its experts' outputs): 1 x 7 and
+    7 x 1 experts, a prime-sized stack, wide ones, one used only on even steps, a frozen one
+    and stacks with no elements ([2, 0, 29], [2, 3, 0])."""
+
+    SHAPES = {"inp": (3, 7, 5), "row": (2, 1, 7), "col": (3, 7, 1), "prime": (5, 13, 7),
+              "wide": (2, 3, 13), "wide_t": (3, 29, 3), "rare": (2, 29, 29),
+              "frozen": (2, 29, 29), "empty": (2, 0, 29), "empty_in": (2, 3, 0)}
+
+    def __init__(self):
+        super().__init__()
+        for name, shape in self.SHAPES.items():
+            setattr(self, name, nn.Parameter(torch.randn(shape) / shape[-1] ** 0.5))
+        self.frozen.requires_grad_(False)
+
+    @staticmethod
+    def _apply_stack(w, h):
+        return torch.einsum("eoi,ni->no", w, h) / w.shape[0]
+
+    def forward(self, x, use_rare):
+        f = self._apply_stack
+        h = torch.tanh(f(self.inp, x))
+        h = h * f(self.row, h)
+        h = h + f(self.col, f(self.row, h))
+        h = f(self.wide_t, torch.tanh(f(self.wide, torch.tanh(f(self.prime, h)))))
+        if use_rare:
+            h = torch.tanh(f(self.rare, h))
+        h = f(self.frozen, h)
+        return h.pow(2).mean() + f(self.empty, h).sum() + self.empty_in.sum()
+
+
+class _Wrap(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = OddStacks()
+
+    def forward(self, x, use_rare):
+        return self.body(x, use_rare)
+
+
+def _odd(kind, mesh):
+    torch.manual_seed(0)
+    m = _Wrap()
+    if kind == "veragged":
+        veragged.fully_shard(m.body, mesh=mesh, granularity_fn=lambda fqn, p: (
+            p[0].numel() or None) if fqn.endswith(("prime", "rare")) else None)
+        veragged.fully_shard(m, mesh=mesh)
+    return m
+
+
+def _train_odd(name, steps=6):
+    m, ref_model = _odd("veragged", get_mesh()), _odd("single", None)
+    params = [p for p in m.parameters() if p.requires_grad]
+    ref_params = [p for p in ref_model.parameters() if p.requires_grad]
+    opt, ref = _optimizer(name, params, owners="local"), _optimizer(name, ref_params)
+    rank = dist.get_rank()
+    opt.step()  # before any backward: nothing moves
+    ref.step()
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        n = 0 if (rank == 1 and step % 3 == 0) else 3  # an empty batch on some steps
+        x = torch.randn(n, 5, generator=g)
+        loss = m(x, step % 2 == 0)
+        loss = loss if n else loss * 0.0
+        if step == 4:  # a second forward before one backward
+            loss = loss + m(torch.randn(3, 5, generator=g), False)
+        loss.backward()
+        _grads_to(ref_params, params)
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+    got = _full(list(m.parameters()))
+    return [torch.equal(a, b) for a, b in zip(got, ref_model.parameters())]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hostile_stacks_equal_one_process(name):
+    for equal in run_on_ranks(_train_odd, 3, args=(name,), timeout=240):
+        assert all(equal), equal
+
+
+# ---- batched Newton-Schulz ------------------------------------------------------------------
+
+
+def test_batched_newton_schulz_is_bitwise_or_not_used():
+    """[Note: batched Newton-Schulz]: each (shape, count) is batched only where a probe found
+    the batched products bitwise equal to one-by-one ones; either way the results are bitwise
+    orthogonalize's. On this CPU (MKL) the larger shapes batch and the tiny ones do not."""
+    from veragged.optim import newton_schulz as ns
+
+    torch.manual_seed(0)
+    batched = {}
+    for shape in [(7, 5), (6, 10), (16, 12), (96, 192), (192, 96), (64, 64)]:
+        for n in (2, 5):
+            xs = [torch.randn(shape) for _ in range(n)]
+            got = ns.orthogonalize_batch(xs, dtype=torch.float32)
+            for x, g in zip(xs, got):
+                assert torch.equal(g, ns.orthogonalize(x, dtype=torch.float32)[0]), shape
+            key = (shape, n, ns.DEFAULT_COEFFICIENTS, 5, 1e-7, torch.float32, x.device)
+            batched[shape, n] = ns._BATCHABLE[key]
+    assert any(batched.values()), batched  # the batched path ran (and matched) somewhere
+    # mixed shapes in one call: grouped by shape, order kept
+    xs = [torch.randn(96, 192), torch.randn(7, 5), torch.randn(96, 192)]
+    got = ns.orthogonalize_batch(xs, dtype=torch.float32)
+    assert [tuple(g.shape) for g in got] == [(96, 192), (7, 5), (96, 192)]

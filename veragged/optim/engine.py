@@ -217,6 +217,12 @@ class MatrixOptimizer(Optimizer):
         """The flat, contiguous update of `m` from the whole flat `full`; runs where `m.mine`."""
         raise NotImplementedError
 
+    def _compute_many(self, ms: list[Matrix], fulls: list[torch.Tensor]) -> list:
+        """`_compute` of each matrix (an owner's matrices of one micro-group, or those it
+        holds at home); an optimizer may batch same-shape matrices where that changes no bit
+        ([Note: batched Newton-Schulz])."""
+        return [self._compute_aligned(m, f) for m, f in zip(ms, fulls)]
+
     def _has_update(self, m: Matrix) -> bool:
         """Whether `m` sends an update back this step (symmetric on every rank)."""
         return True
@@ -385,7 +391,7 @@ class MatrixOptimizer(Optimizer):
                 if not lay.in_rank_order:
                     u = lay.assemble(u.split(lay.sizes))
             sends = self._has_update(m)
-            full = self._compute_aligned(m, u.reshape(-1))
+            full = self._compute_many([m], [u.reshape(-1)])[0]
             if sends:
                 self._apply(m, lay.mine(full) if lay.group is not None else full)
 
@@ -401,12 +407,13 @@ class MatrixOptimizer(Optimizer):
         groups = [g for g in ([i for i in g if i not in home] for g in stepped) if g]
         local_pieces = {domain.index[k]: u for k, u in pieces.items()}
         gathering = ex.gather(groups[0], local_pieces) if groups else None
-        for i in at_home:  # while the first gather is on the wire
-            m = matrices[i]
-            if m.owner == ex.rank:
-                u = self._compute_aligned(m, local_pieces[i])
-                if self._has_update(m):
-                    self._apply(m, u)
+        mine = [i for i in at_home if matrices[i].owner == ex.rank]
+        if mine:  # while the first gather is on the wire
+            outs = self._compute_many([matrices[i] for i in mine],
+                                      [local_pieces[i] for i in mine])
+            for i, u in zip(mine, outs):
+                if self._has_update(matrices[i]):
+                    self._apply(matrices[i], u)
         if not groups:
             return
         device = next(iter(local_pieces.values())).device
@@ -418,11 +425,9 @@ class MatrixOptimizer(Optimizer):
                 gathering = ex.gather(groups[k + 1], local_pieces)
             sending = [i for i in items if self._has_update(matrices[i])]
             sends = set(sending)
-            updates = {}
-            for i, f in fulls.items():
-                u = self._compute(matrices[i], f)
-                if i in sends:
-                    updates[i] = u
+            owned = list(fulls)
+            outs = self._compute_many([matrices[i] for i in owned], [fulls[i] for i in owned])
+            updates = {i: u for i, u in zip(owned, outs) if i in sends}
             launched = ex.scatter(sending, updates, like) if sending else None
             if scattering is not None:
                 self._apply_scattered(matrices, scattering)

@@ -13,6 +13,7 @@ from veragged.optim.newton_schulz import (
     DEFAULT_COEFFICIENTS,
     adjusted_lr,
     orthogonalize,
+    orthogonalize_batch,
 )
 from veragged.optim.pieces import MatrixLayout
 
@@ -197,6 +198,26 @@ class Muon(MatrixOptimizer):
         if len(blocks) == 1:
             return m.to_flat(blocks[0])
         return torch.cat([b.reshape(-1) for b in blocks])
+
+    def _compute_many(self, ms: list[Matrix], fulls: list[torch.Tensor]) -> list:
+        """Matrices without `split_sizes` orthogonalised in same-shape batches where that is
+        bitwise the same ([Note: batched Newton-Schulz]); the others one by one."""
+        out: list = [None] * len(ms)
+        batches: dict = {}
+        for k, (m, full) in enumerate(zip(ms, fulls)):
+            g = m.group
+            if g["split_sizes"]:
+                out[k] = self._compute_aligned(m, full)
+                continue
+            key = (g["ns_coefficients"], g["ns_steps"], g["eps"], self._update_dtype(full.device))
+            batches.setdefault(key, []).append(k)
+        for (coefficients, steps, eps, dtype), idx in batches.items():
+            results = orthogonalize_batch([ms[k].as_matrix(fulls[k]) for k in idx],
+                                          coefficients=coefficients, steps=steps, eps=eps,
+                                          dtype=dtype)
+            for k, r in zip(idx, results):
+                out[k] = ms[k].to_flat(r)
+        return out
 
     def _apply(self, m: Matrix, piece: torch.Tensor) -> None:
         """p -= lr_block * update on this rank's piece, `piece` being the update's elements
