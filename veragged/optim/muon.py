@@ -12,6 +12,7 @@ from veragged.optim.newton_schulz import (
     ADJUST_LR_FNS,
     DEFAULT_COEFFICIENTS,
     adjusted_lr,
+    interleave,
     orthogonalize,
     orthogonalize_batch,
 )
@@ -20,19 +21,35 @@ from veragged.optim.pieces import MatrixLayout
 __all__ = ["Muon"]
 
 
-def _local_blocks(layout: MatrixLayout, shape, splits, scales) -> tuple:
-    """The element ranges of each row block (`splits` rows, lr `scales`) in this rank's piece
-    of a matrix ([Note: optimizer pieces on N-D meshes]): an interval [off, off + n) of the flat
-    matrix, or runs that are whole rows (TP Shard(1): row `off // cols + k` is run k)."""
+def _row_ranges(splits, scales, repeat: int) -> list[tuple[int, int, float]]:
+    """(first row, end row, lr scale) of the blocks' rows in row order, `splits` repeated
+    `repeat` times; neighbours of the same scale merged (interleaved parts of one scale, such
+    as gate and up, make one range)."""
+    out: list = []
+    start = 0
+    for _ in range(repeat):
+        for rows, scale in zip(splits, scales):
+            if out and out[-1][2] == scale and out[-1][1] == start:
+                out[-1] = (out[-1][0], start + rows, scale)
+            else:
+                out.append((start, start + rows, scale))
+            start += rows
+    return out
+
+
+def _local_blocks(layout: MatrixLayout, shape, splits, scales, repeat: int = 1) -> tuple:
+    """The element ranges of each row block (`splits` rows, lr `scales`, the pattern repeated
+    `repeat` times) in this rank's piece of a matrix ([Note: optimizer pieces on N-D meshes]):
+    an interval [off, off + n) of the flat matrix, or runs that are whole rows (TP Shard(1): row
+    `off // cols + k` is run k)."""
     r = layout.rank
     off, count, length = layout.offsets[r], layout.counts[r], layout.lengths[r]
     size, cols = count * length, shape[1]
-    if len(splits) == 1:  # one block: the whole piece
+    ranges = _row_ranges(splits, scales, repeat)
+    if len(ranges) == 1:  # one scale: the whole piece
         return ((0, size, scales[0]),) if size else ()
-    out, start = [], 0
-    for rows, scale in zip(splits, scales):
-        lo, hi = start, start + rows
-        start = hi
+    out = []
+    for lo, hi, scale in ranges:
         if count <= 1:
             b, e = max(lo * cols, off) - off, min(hi * cols, off + size) - off
         else:
@@ -63,7 +80,10 @@ class Muon(MatrixOptimizer):
         `use_muon=False`, as the Muon authors recommend.
       - `split_sizes`: rows per block (summing to the rows of every matrix in the group): each
         row block, e.g. q, k and v of a fused QKV weight, is orthogonalised and lr-scaled as a
-        matrix of its own.
+        matrix of its own; `split_repeat` k: layouts that interleave their parts, the pattern
+        repeated k times down the rows, block j being part j of every repetition (per-head
+        q, k, v: `split_sizes=(head_dim,) * 3, split_repeat=heads`; gate and up interleaved
+        row by row: `split_sizes=(1, 1), split_repeat=hidden`).
       - AdamW's `betas` and `adamw_eps` (weight decay is decoupled, math in torch.optim.AdamW's
         order, bitwise equal to `torch.optim.AdamW(foreach=False)`), and any Muon hyper-parameter.
 
@@ -121,7 +141,7 @@ class Muon(MatrixOptimizer):
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn, betas=tuple(betas), adamw_eps=adamw_eps,
-            use_muon=None, split_sizes=None,
+            use_muon=None, split_sizes=None, split_repeat=1,
         )
         super().__init__(params, defaults, owners=owners, alpha=alpha, capacity=capacity,
                          locality_slack=locality_slack,
@@ -136,11 +156,12 @@ class Muon(MatrixOptimizer):
         _validate(group)
 
     def _check_one(self, group: dict, shape: tuple[int, int], index: str) -> None:
-        split = group["split_sizes"]
-        if split is not None and sum(split) != shape[0]:
+        split, repeat = group["split_sizes"], group["split_repeat"]
+        if split is not None and sum(split) * repeat != shape[0]:
             raise ValueError(
-                f"split_sizes={list(split)} must sum to the rows of every matrix of the "
-                f"group; {index} has matrices of shape {list(shape)}"
+                f"split_sizes={list(split)} repeated split_repeat={repeat} times must cover "
+                f"the rows of every matrix of the group; {index} has matrices of shape "
+                f"{list(shape)}"
             )
         if split is not None and tuple(group["matrix_dims"]) == (-1, -2):
             raise ValueError(f"Muon: split_sizes with matrix_dims=(-1, -2) ({index}): split "
@@ -161,14 +182,16 @@ class Muon(MatrixOptimizer):
         return dict(cost=self.cost)
 
     def _plan_blocks(self, m: Matrix):
-        return m.group["split_sizes"]
+        split = m.group["split_sizes"]
+        return None if not split else [s * m.group["split_repeat"] for s in split]
 
     def _make_extra(self, m: Matrix):
         rows, cols = m.shape
         group = m.group
         splits = tuple(group["split_sizes"] or (rows,))
-        scales = [adjusted_lr(1.0, group["adjust_lr_fn"], r, cols) for r in splits]
-        return _local_blocks(m.layout, m.shape, splits, scales)
+        repeat = group["split_repeat"] if group["split_sizes"] else 1
+        scales = [adjusted_lr(1.0, group["adjust_lr_fn"], r * repeat, cols) for r in splits]
+        return _local_blocks(m.layout, m.shape, splits, scales, repeat)
 
     def _prepare(self, p: torch.Tensor, group: dict, g: torch.Tensor) -> torch.Tensor:
         """Momentum and weight decay on the local shard; returns the update to orthogonalise."""
@@ -187,6 +210,7 @@ class Muon(MatrixOptimizer):
     def _compute(self, m: Matrix, full: torch.Tensor) -> torch.Tensor:
         """The flat, contiguous orthogonalised update of matrix `m` from its full flat values."""
         g = m.group
+        repeat = g["split_repeat"]
         blocks = orthogonalize(
             m.as_matrix(full),
             split_sizes=g["split_sizes"],
@@ -194,9 +218,12 @@ class Muon(MatrixOptimizer):
             steps=g["ns_steps"],
             eps=g["eps"],
             dtype=self._update_dtype(full.device),
+            split_repeat=repeat,
         )
         if len(blocks) == 1:
             return m.to_flat(blocks[0])
+        if repeat > 1:
+            return interleave(blocks, g["split_sizes"], repeat)
         return torch.cat([b.reshape(-1) for b in blocks])
 
     def _compute_many(self, ms: list[Matrix], fulls: list[torch.Tensor]) -> list:
@@ -268,3 +295,6 @@ def _validate(group: dict) -> None:
     split = group["split_sizes"]
     if split is not None and (not split or any(int(s) <= 0 for s in split)):
         raise ValueError(f"Muon: split_sizes must be positive row counts, got {split!r}")
+    repeat = group["split_repeat"]
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"Muon: split_repeat must be a positive int, got {repeat!r}")

@@ -12,7 +12,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["orthogonalize", "orthogonalize_batch", "adjusted_lr", "DEFAULT_COEFFICIENTS"]
+__all__ = ["orthogonalize", "orthogonalize_batch", "interleave", "adjusted_lr",
+           "DEFAULT_COEFFICIENTS"]
 
 DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
@@ -43,17 +44,41 @@ def orthogonalize(
     steps: int = 5,
     eps: float = 1e-7,
     dtype: torch.dtype = torch.bfloat16,
+    split_repeat: int = 1,
 ) -> list[torch.Tensor]:
     """Orthogonalised row blocks of the 2-D `update` (one block: the whole matrix).
 
     `split_sizes` (rows per block, summing to `update.size(0)`) orthogonalises each row block on
-    its own, e.g. the q, k and v blocks of a fused QKV weight. Returns one `dtype` matrix per
-    block, in row order.
+    its own, e.g. the q, k and v blocks of a fused QKV weight. With `split_repeat` k the
+    pattern repeats k times down the rows (sum(split_sizes) * k rows): block j is part j of
+    every repetition, rows in order, as layouts that interleave their parts keep them (per-head
+    q, k, v: `(head_dim,) * 3` repeated `heads` times; gate and up row by row: `(1, 1)`
+    repeated `hidden` times). Returns one `dtype` matrix per block, in block order.
     """
     if update.ndim != 2:
         raise ValueError(f"Newton-Schulz needs a 2-D matrix, got shape {list(update.shape)}")
-    blocks = update.split(list(split_sizes), 0) if split_sizes else (update,)
+    if split_sizes and split_repeat > 1:
+        parts = update.view(split_repeat, sum(split_sizes), update.size(1))
+        blocks, start = [], 0
+        for s in split_sizes:  # a copy: the block's rows, contiguous, as a matrix of its own
+            blocks.append(parts[:, start:start + s].reshape(split_repeat * s, update.size(1)))
+            start += s
+    else:
+        blocks = update.split(list(split_sizes), 0) if split_sizes else (update,)
     return [_newton_schulz(b, coefficients, steps, eps, dtype) for b in blocks]
+
+
+def interleave(blocks: Sequence[torch.Tensor], split_sizes: Sequence[int],
+               split_repeat: int) -> torch.Tensor:
+    """The flat matrix whose rows are `blocks` laid out as `orthogonalize` cut them: block
+    j's rows back into part j of every repetition."""
+    cols = blocks[0].size(1)
+    out = blocks[0].new_empty(split_repeat, sum(split_sizes), cols)
+    start = 0
+    for b, s in zip(blocks, split_sizes):
+        out[:, start:start + s].copy_(b.view(split_repeat, s, cols))
+        start += s
+    return out.reshape(-1)
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
