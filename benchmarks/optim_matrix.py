@@ -26,8 +26,8 @@ of all modes are bitwise equal (tests/optim). Columns: the median over the measu
 all_reduce MAX), the mean (which, unlike the median, charges SOAP's refresh steps), the speedup
 vs SC (median), the median of the slowest rank's time inside `_compute_many` (the owner's
 matrix work; the rest of a step is the exchange, the elementwise work and waiting), and the
-plan's max/mean load. Target: owners >= 3x faster than SC for every optimizer (the ideal is ~4x on 4 ranks when
-the matrix work dominates). 4 ranks share the machine's cores, SC and owners alike.
+plan's max/mean load. Target: owners >= 3x faster than SC for every optimizer (the ideal is ~4x
+on 4 ranks when the matrix work dominates). 4 ranks share the machine's cores, SC and owners alike.
 
 Part 2, balance. Every 2-D weight of the transformer layers of Qwen3-1.7B .. 32B (q, k, v, o,
 gate, up, down per layer, each its own matrix; the embedding, head and norms stay elementwise,

@@ -38,7 +38,8 @@ STAGE_S=${GPU_CHECK_STAGE_S:-600}
 stage() {  # stage NAME COMMAND...: run, log to $OUT/NAME.log, record PASS/FAIL and seconds
   local name=$1; shift
   local t0=$SECONDS
-  if timeout "${LIMIT:-$STAGE_S}" "$@" >"$OUT/$name.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
+  if timeout "${LIMIT:-$STAGE_S}" "$@" >"$OUT/$name.log" 2>&1; then r=PASS
+  else r=FAIL; status=1; fi
   rows+=("| $name | $r | $((SECONDS - t0)) s | $(tail -1 "$OUT/$name.log" | cut -c1-90) |")
   echo "$name: $r ($((SECONDS - t0)) s; log $OUT/$name.log)"
 }

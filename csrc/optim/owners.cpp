@@ -243,7 +243,8 @@ OwnerPlan plan_local(const std::vector<int64_t>& costs, const std::vector<int64_
     if (owners[item] >= 0) continue;
     int64_t best = 0;
     for (int64_t r = 1; r < world_size; ++r) {
-      if (loads[r] < loads[best] || (loads[r] == loads[best] && holds(item, r) > holds(item, best))) {
+      const bool tie = loads[r] == loads[best];
+      if (loads[r] < loads[best] || (tie && holds(item, r) > holds(item, best))) {
         best = r;
       }
     }

@@ -29,7 +29,7 @@ VOCAB, SEQ, BATCH = 512, 16, 2
 
 
 def _config(case: str):
-    from transformers import LlamaConfig, Qwen3MoeConfig
+    from transformers import LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -39,7 +39,9 @@ def _config(case: str):
     if case == "qwen3_moe":  # experts as 3-D gate_up_proj/down_proj parameters, top-2 of 4
         return Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=32, num_experts=4,
                               num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
-    raise ValueError(f"case must be one of {CASES}, got {case!r}")
+    if case == "mixtral":  # experts as 3-D gate_up_proj/down_proj parameters, top-2 of 4
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    raise ValueError(f"case must be one of {CASES} or mixtral, got {case!r}")
 
 
 def _build(case: str, device: str):
@@ -130,7 +132,8 @@ def run_muon(case: str = "qwen3_moe", steps: int = 3) -> dict:
     from torch.distributed.tensor import DTensor
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    inter = _config(case).moe_intermediate_size
+    cfg = _config(case)
+    inter = getattr(cfg, "moe_intermediate_size", cfg.intermediate_size)
     torch.manual_seed(0)
     reference = _build(case, "cpu")
     full_sd = {k: v.clone() for k, v in reference.state_dict().items()}

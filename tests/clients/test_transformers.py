@@ -35,10 +35,12 @@ def test_transformers_matches_torch(case):
         assert torch.equal(want[key], got[key]), f"{case}: {key} differs after training"
 
 
-def test_qwen3_moe_muon_expert_stacks_equal_one_process():
-    """Qwen3-MoE's 3-D experts in veragged's Muon under veragged.fully_shard: every expert a
-    matrix (gate and up apart), computed on the rank holding it, bitwise one process."""
-    for r in client_pool(2).run(_hf.run_muon, "qwen3_moe"):
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+def test_moe_muon_expert_stacks_equal_one_process(case):
+    """Qwen3-MoE's and Mixtral's 3-D experts in veragged's Muon under veragged.fully_shard:
+    every expert a matrix (gate and up apart), mostly computed on the rank holding it, bitwise
+    one process."""
+    for r in client_pool(2).run(_hf.run_muon, case):
         assert all(r["equal"]), r
         assert r["experts"] == 2 * 2 * 4  # gate_up and down, 2 layers, 4 experts
         # (a few may move to keep the load within the locality slack of lpt's balance)

@@ -75,9 +75,13 @@ class Muon(MatrixOptimizer):
     `lr * 0.2 * sqrt(max(A, B))` or "spectral_unclamped": `lr * sqrt(A/B)` for an A x B matrix.
 
     Param groups may set:
-      - `use_muon`: True/False for the whole group; default (None): 2-D parameters use Muon,
-        all others AdamW. Embeddings and output heads are 2-D: put them in a group with
-        `use_muon=False`, as the Muon authors recommend.
+      - `use_muon`: True/False for the whole group; default (None): parameters of 2 dims or
+        more use Muon (more: a stack of matrices over the leading dims, e.g. [E, out, in]
+        experts, each expert orthogonalised as a matrix of its own: [Note: matrices of a
+        stack]), 1-D ones AdamW. Embeddings and output heads are 2-D, conv kernels 4-D: put
+        them in a group with `use_muon=False`, as the Muon authors recommend.
+      - `matrix_dims`: (-2, -1) (default) or (-1, -2) for stacks stored transposed
+        ([E, in, out]).
       - `split_sizes`: rows per block (summing to the rows of every matrix in the group): each
         row block, e.g. q, k and v of a fused QKV weight, is orthogonalised and lr-scaled as a
         matrix of its own; `split_repeat` k: layouts that interleave their parts, the pattern
@@ -93,9 +97,10 @@ class Muon(MatrixOptimizer):
     [Note: optimizer pieces on N-D meshes]): momentum runs on the local shards; each matrix's
     domain (the mesh dims that shard it, e.g. dp x tp) is one process group, on which every
     matrix has an owner (host) rank from a deterministic plan (`owners`: "lpt" greedy LPT over
-    Newton-Schulz FLOPs with loads carried across micro-groups, "alpha" Canzona's
-    alpha-balanced contiguous partition per param group, "naive" round robin, "layer" whole
-    param groups per rank (the layer-wise baseline), or "replicated": every rank gathers and
+    Newton-Schulz FLOPs with loads carried across micro-groups, "local" the same around the
+    matrices a rank holds whole, which are computed where they lie (`locality_slack`), "alpha"
+    Canzona's alpha-balanced contiguous partition per param group, "naive" round robin, "layer"
+    whole param groups per rank (the layer-wise baseline), or "replicated": every rank gathers and
     orthogonalises every matrix); matrices travel to their owners in micro-groups, one
     all-to-all each over the domain group, the update comes back the same way, and the next
     micro-group's transfer overlaps the current one's Newton-Schulz ([Note: Muon matrix

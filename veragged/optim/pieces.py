@@ -322,7 +322,8 @@ def _pieces(shape, mesh, placements, coords):
 # local shard, of its gradient and of its state.
 
 
-def slice_layout(layout: MatrixLayout, start: int, numel: int) -> tuple[MatrixLayout, tuple[int, int]]:
+def slice_layout(layout: MatrixLayout, start: int,
+                 numel: int) -> tuple[MatrixLayout, tuple[int, int]]:
     """The layout of the flat range [start, start + numel) of `layout`'s tensor ([Note: matrices
     of a stack]), and this rank's piece of it as a range of its local (flat) tensor."""
     offsets, counts, lengths, strides, spans = [], [], [], [], []
