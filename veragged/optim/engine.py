@@ -103,7 +103,7 @@ class _Domain:
     matrices: list[Matrix]
     plan: OwnerPlan | None
     exchange: Exchange | None
-    index: dict[int, int] = field(default_factory=dict)  # id(param) -> position
+    index: dict[int, int] = field(default_factory=dict)  # id(matrix) -> position
 
 
 class MatrixOptimizer(Optimizer):
