@@ -71,7 +71,7 @@ def test_stack_options_are_checked():
         Muon([{"params": [p], "matrix_dims": (0, 1)}])
     with pytest.raises(ValueError, match="split_sizes with matrix_dims=\\(-1, -2\\)"):
         Muon([{"params": [p], "matrix_dims": (-1, -2), "split_sizes": (2, 2)}])
-    with pytest.raises(ValueError, match="split_sizes=\\[1, 1\\] must sum to the rows"):
+    with pytest.raises(ValueError, match="split_sizes=\\[1, 1\\] repeated split_repeat=1 times"):
         Muon([{"params": [p], "split_sizes": (1, 1)}])
     # a conv kernel is a stack too by default: its group says otherwise
     conv = nn.Parameter(torch.randn(4, 3, 2, 2))
