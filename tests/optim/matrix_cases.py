@@ -1,9 +1,12 @@
-"""Shared setups for the Shampoo and SOAP tests: models, param groups, optimizer factories and
-the distributed-vs-one-process run (also used by the stress harness and the DCP test)."""
+"""Shared setups for the matrix optimizer tests: models, param groups, optimizer factories, the
+distributed-vs-one-process run, whole values and gradients of sharded parameters, and DCP
+save/load of a model with its optimizer (also used by the stress harness)."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 import veragged
@@ -86,6 +89,27 @@ def present(pattern):
 
 def full_values(params):
     return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in params]
+
+
+def grads_to(ref_params, params):
+    """The gradients a sharded run made, whole, as the reference parameters' gradients."""
+    for p, q in zip(params, ref_params):
+        q.grad = None if p.grad is None else (
+            p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone())
+
+
+def save_checkpoint(m, opt, path):
+    """DCP save of the model and optimizer state dicts (torch's `get_state_dict`)."""
+    model_sd, optim_sd = get_state_dict(m, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def load_checkpoint(m, opt, path):
+    """DCP load into the model and optimizer (torch's `set_state_dict`)."""
+    model_sd, optim_sd = get_state_dict(m, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def distributed_vs_one_process(name, kind, steps, owners, pattern):

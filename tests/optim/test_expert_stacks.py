@@ -7,10 +7,7 @@ an expert where it lies and moves none of its bytes."""
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 import veragged
 from veragged.optim import SOAP, Muon, Shampoo
@@ -18,6 +15,8 @@ from veragged.testing import get_mesh, run_on_ranks
 from veragged.testing.grads import set_grads
 from veragged.testing.moe import MoE, MoEConfig, expert_parallel
 from veragged.testing.traffic import PeerTraffic
+
+from matrix_cases import full_values, grads_to, load_checkpoint, save_checkpoint
 
 CFG = MoEConfig(vocab=48, dim=16, layers=2, heads=2, experts=4, top_k=2, hidden=12)
 NAMES = ["muon", "shampoo", "soap"]
@@ -114,16 +113,6 @@ def _make(name, m, **kw):
     return _optimizer(name, [{"params": flat, flag: False}, {"params": rest}], **kw)
 
 
-def _grads_to(ref_params, params):
-    for p, q in zip(params, ref_params):
-        q.grad = None if p.grad is None else (
-            p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone())
-
-
-def _full(params):
-    return [p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for p in params]
-
-
 def _expert_report(opt):
     """Per expert matrix: whether its owner holds it whole (its gather moves nothing)."""
     return [m.layout.size(m.owner) == m.layout.numel
@@ -140,11 +129,11 @@ def _train(name, granularity, owners, steps=5):
     for step in range(steps):
         tokens = torch.randint(0, CFG.vocab, (2, 9), generator=g)
         m.loss(tokens).backward()
-        _grads_to(ref_params, params)
+        grads_to(ref_params, params)
         opt.step()
         ref.step()
         opt.zero_grad()
-        equal.append(all(torch.equal(a, b) for a, b in zip(_full(params), ref_params)))
+        equal.append(all(torch.equal(a, b) for a, b in zip(full_values(params), ref_params)))
     experts = [m for m in opt.matrices() if m.index is not None]
     return equal, _expert_report(opt), len(experts), [pl.moved for pl in opt.owner_plans]
 
@@ -224,11 +213,11 @@ def _train_ep(name, steps=4):
     equal = []
     for _ in range(steps):
         m.loss(torch.randint(0, CFG.vocab, (2, 9), generator=g)).backward()
-        _grads_to(ref_params, params)
+        grads_to(ref_params, params)
         opt.step()
         ref.step()
         opt.zero_grad()
-        equal.append(all(torch.equal(a, b) for a, b in zip(_full(params), ref_params)))
+        equal.append(all(torch.equal(a, b) for a, b in zip(full_values(params), ref_params)))
     return equal, len([x for x in opt.matrices() if x.index is not None])
 
 
@@ -258,23 +247,19 @@ def _save(name, path):
     m, opt = _setup(name)
     for step in range(3):
         _step(m, opt, step)
-    model_sd, optim_sd = get_state_dict(m, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    save_checkpoint(m, opt, path)
     for step in range(3, 6):
         _step(m, opt, step)
     keys = sorted(k for s in opt.state.values() for k in s if "[" in k)
-    return _full(list(m.parameters())), keys
+    return full_values(list(m.parameters())), keys
 
 
 def _load(name, path):
     m, opt = _setup(name)
-    model_sd, optim_sd = get_state_dict(m, opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    load_checkpoint(m, opt, path)
     for step in range(3, 6):
         _step(m, opt, step)
-    return _full(list(m.parameters()))
+    return full_values(list(m.parameters()))
 
 
 @pytest.mark.parametrize("name", ["shampoo", "soap"])
@@ -360,11 +345,11 @@ def _train_odd(name, steps=6):
         if step == 4:  # a second forward before one backward
             loss = loss + m(torch.randn(3, 5, generator=g), False)
         loss.backward()
-        _grads_to(ref_params, params)
+        grads_to(ref_params, params)
         opt.step()
         ref.step()
         opt.zero_grad()
-    got = _full(list(m.parameters()))
+    got = full_values(list(m.parameters()))
     return [torch.equal(a, b) for a, b in zip(got, ref_model.parameters())]
 
 

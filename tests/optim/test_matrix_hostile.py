@@ -7,14 +7,13 @@ run. Every run equals one process stepping on the gradients the sharded run made
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 import veragged
 from veragged.optim import SOAP, Muon, Shampoo
 from veragged.testing import get_mesh, run_on_ranks
+
+from matrix_cases import full_values, grads_to, load_checkpoint, save_checkpoint
 
 SHAPES = {"row": (1, 7), "col": (7, 1), "prime": (13, 5), "wide": (3, 29), "empty": (0, 5)}
 
@@ -89,16 +88,6 @@ def _loss(m, x, step):
     return out if x.shape[0] else out * 0.0  # an empty batch's mean is nan
 
 
-def _grads_to(ref_params, params):
-    for p, q in zip(params, ref_params):
-        q.grad = None if p.grad is None else (
-            p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone())
-
-
-def _full(params):
-    return [p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for p in params]
-
-
 def _train(name, kind, steps):
     empty = kind != "torch"
     m, ref_model = _model(kind, get_mesh(), empty), _model("single", None, empty)
@@ -113,11 +102,11 @@ def _train(name, kind, steps):
         if step == 4:  # a second forward before one backward
             loss = loss + _loss(m, _batch(step + 100, rank), step)
         loss.backward()
-        _grads_to(ref_params, params)
+        grads_to(ref_params, params)
         opt.step()
         ref.step()
         opt.zero_grad()
-    got = _full(params)
+    got = full_values(params)
     initial = dict(_model("single", None, empty).named_parameters())["frozen.weight"]
     frozen_unchanged = torch.equal(got[[n for n, _ in m.named_parameters()].index(
         "frozen.weight")], initial.detach())
@@ -139,19 +128,15 @@ def _run_with_save(name, path, save_at, steps, load):
     rank = dist.get_rank()
     start = 0
     if load:
-        model_sd, optim_sd = get_state_dict(m, opt)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        load_checkpoint(m, opt, path)
         start = save_at
     for step in range(start, steps):
         if step == save_at and not load:
-            model_sd, optim_sd = get_state_dict(m, opt)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+            save_checkpoint(m, opt, path)
         _loss(m, _batch(step, rank), step).backward()
         opt.step()
         opt.zero_grad()
-    return _full(list(m.parameters()))
+    return full_values(list(m.parameters()))
 
 
 @pytest.mark.parametrize("name", ["shampoo", "soap"])

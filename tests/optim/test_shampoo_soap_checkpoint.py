@@ -5,14 +5,12 @@ import copy
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from veragged.testing import get_mesh, run_on_ranks
 from veragged.testing.grads import set_grads
 
-from matrix_cases import FACTORIES, full_values, model
+from matrix_cases import FACTORIES, full_values, load_checkpoint, model, save_checkpoint
 
 
 def _setup(name):
@@ -41,8 +39,7 @@ def _save(name, path):
     m, opt = _setup(name)
     for step in range(5):
         _step(m, opt, step)
-    model_sd, optim_sd = get_state_dict(m, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    save_checkpoint(m, opt, path)
     for step in range(5, 8):
         _step(m, opt, step)
     return full_values(list(m.parameters())), _owner_state_report(opt)
@@ -50,10 +47,7 @@ def _save(name, path):
 
 def _load(name, path):
     m, opt = _setup(name)
-    model_sd, optim_sd = get_state_dict(m, opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    load_checkpoint(m, opt, path)
     for step in range(5, 8):
         _step(m, opt, step)
     return full_values(list(m.parameters())), opt.owner_plans[0].owners
