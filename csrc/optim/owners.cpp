@@ -186,8 +186,10 @@ void check_held(const std::vector<int64_t>& held, const std::vector<int64_t>& nu
   }
 }
 
-// lpt's micro-groups over a fixed assignment: `order` joins the current group while the cost
-// every rank gains within it stays <= capacity (<= 0: lpt's default); returns the capacity used.
+// lpt's micro-groups over an assignment: `order` joins the current group while the cost every
+// rank gains within it stays <= capacity (<= 0: the default max(largest cost,
+// ceil(total / world / 4))); otherwise the group closes (rollback) and the item opens the next
+// one. Returns the capacity used.
 int64_t capacity_groups(const std::vector<int64_t>& order, const std::vector<int64_t>& owners,
                         const std::vector<int64_t>& costs, int64_t world_size, int64_t capacity,
                         std::vector<std::vector<int64_t>>& groups) {
@@ -211,7 +213,36 @@ int64_t capacity_groups(const std::vector<int64_t>& order, const std::vector<int
   return capacity;
 }
 
-OwnerPlan plan_lpt(const std::vector<int64_t>& costs, int64_t world_size, int64_t capacity);
+// Matrix indices by cost descending, ties to the lower index (lpt's order).
+std::vector<int64_t> cost_order(const std::vector<int64_t>& costs) {
+  std::vector<int64_t> order(costs.size());
+  for (std::size_t i = 0; i < costs.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return costs[a] != costs[b] ? costs[a] > costs[b] : a < b;
+  });
+  return order;
+}
+
+OwnerPlan plan_lpt(const std::vector<int64_t>& costs, int64_t world_size, int64_t capacity) {
+  const std::vector<int64_t> order = cost_order(costs);
+  OwnerPlan plan;
+  plan.owners.assign(costs.size(), 0);
+  // Total load per rank, carried across micro-groups; the heap's top is the least loaded rank,
+  // the lower rank on ties. The micro-groups (capacity_groups) close in the same order and never
+  // change an owner, so they are cut after the assignment.
+  using Slot = std::pair<int64_t, int64_t>;  // (load, rank)
+  std::priority_queue<Slot, std::vector<Slot>, std::greater<Slot>> heap;
+  for (int64_t r = 0; r < world_size; ++r) heap.push({0, r});
+  for (int64_t item : order) {
+    const Slot slot = heap.top();
+    heap.pop();
+    plan.owners[item] = slot.second;
+    heap.push({slot.first + costs[item], slot.second});
+  }
+  plan.capacity = capacity_groups(order, plan.owners, costs, world_size, capacity, plan.groups);
+  plan.loads = rank_loads(plan.owners, costs, world_size);
+  return plan;
+}
 
 OwnerPlan plan_local(const std::vector<int64_t>& costs, const std::vector<int64_t>& numels,
                      const std::vector<int64_t>& held, int64_t world_size, int64_t capacity,
@@ -234,11 +265,7 @@ OwnerPlan plan_local(const std::vector<int64_t>& costs, const std::vector<int64_
   }
   // 2. The others by LPT around them: cost descending (ties: lower index), each to the least
   //    loaded rank (ties: the rank holding more of it, then the lower rank).
-  std::vector<int64_t> order(n);
-  for (std::size_t i = 0; i < n; ++i) order[i] = static_cast<int64_t>(i);
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return costs[a] != costs[b] ? costs[a] > costs[b] : a < b;
-  });
+  const std::vector<int64_t> order = cost_order(costs);
   for (int64_t item : order) {
     if (owners[item] >= 0) continue;
     int64_t best = 0;
@@ -299,48 +326,6 @@ OwnerPlan plan_naive(const std::vector<int64_t>& costs, int64_t world_size) {
     plan.owners.push_back(i % world_size);
     if (i % world_size == 0) plan.groups.emplace_back();
     plan.groups.back().push_back(i);
-  }
-  plan.loads = rank_loads(plan.owners, costs, world_size);
-  return plan;
-}
-
-OwnerPlan plan_lpt(const std::vector<int64_t>& costs, int64_t world_size, int64_t capacity) {
-  const std::size_t n = costs.size();
-  std::vector<int64_t> order(n);
-  for (std::size_t i = 0; i < n; ++i) order[i] = static_cast<int64_t>(i);
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return costs[a] != costs[b] ? costs[a] > costs[b] : a < b;
-  });
-  int64_t total = 0, largest = 0;
-  for (int64_t c : costs) total += c, largest = std::max(largest, c);
-  if (capacity <= 0) capacity = std::max(largest, ceil_div(ceil_div(total, world_size), 4));
-
-  OwnerPlan plan;
-  plan.capacity = capacity;
-  plan.owners.assign(n, 0);
-  // Total load per rank, carried across micro-groups; the heap's top is the least loaded rank,
-  // the lower rank on ties.
-  using Slot = std::pair<int64_t, int64_t>;  // (load, rank)
-  std::priority_queue<Slot, std::vector<Slot>, std::greater<Slot>> heap;
-  for (int64_t r = 0; r < world_size; ++r) heap.push({0, r});
-  std::vector<int64_t> gained(static_cast<std::size_t>(world_size), 0);  // within the group
-  int64_t group_max = 0;
-  for (int64_t item : order) {
-    const Slot slot = heap.top();
-    heap.pop();
-    const int64_t rank = slot.second;
-    const int64_t cost = costs[item];
-    if (!plan.groups.empty() && std::max(group_max, gained[rank] + cost) > capacity) {
-      plan.groups.emplace_back();  // rollback: close the group, carry its loads on
-      std::fill(gained.begin(), gained.end(), 0);
-      group_max = 0;
-    }
-    if (plan.groups.empty()) plan.groups.emplace_back();
-    plan.groups.back().push_back(item);
-    plan.owners[item] = rank;
-    gained[rank] += cost;
-    group_max = std::max(group_max, gained[rank]);
-    heap.push({slot.first + cost, rank});
   }
   plan.loads = rank_loads(plan.owners, costs, world_size);
   return plan;
