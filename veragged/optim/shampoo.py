@@ -204,9 +204,8 @@ class Shampoo(MatrixOptimizer):
         `root_failures[m.label]` and warned about once per matrix (Distributed Shampoo's
         tolerance for failed root computations; the owner alone sees its factors, so raising
         here would leave the other ranks waiting in the next exchange)."""
-        try:
-            new = inverse_root(factor, 4, group["epsilon"]) if bool(
-                torch.isfinite(factor).all()) else None
+        try:  # a non-finite factor fails here or gives a non-finite root below
+            new = inverse_root(factor, 4, group["epsilon"])
         except torch.linalg.LinAlgError:
             new = None
         if new is not None and bool(torch.isfinite(new).all()):
