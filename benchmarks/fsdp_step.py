@@ -66,6 +66,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import veragged
 from veragged.testing.copies import BUCKETS, WriteCounter
+from veragged.testing.device import backend_for
 from veragged.testing.llama import Llama, LlamaConfig, RMSNorm, muon_param_groups
 from veragged.testing.multiprocess import run_on_ranks
 from veragged.testing.pool import get_pool
@@ -227,7 +228,7 @@ def rank_runner(parser: argparse.ArgumentParser, args, timeout: float):
         pool = get_pool(args.world, device="cpu")
         return lambda worker, *job: pool.run(worker, *job, timeout=timeout)
     return lambda worker, *job: run_on_ranks(worker, args.world, args=job,
-                                             backend="cpu:gloo,cuda:nccl", timeout=timeout)
+                                             backend=backend_for("cuda"), timeout=timeout)
 
 
 def _worker(kinds: tuple, model_name: str, spec: dict, opt_name: str, steps: int, mp: bool,

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import veragged
 from veragged.testing import run_on_ranks
+from veragged.testing.device import backend_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (scripts/gpu_check.sh)")
@@ -77,7 +78,7 @@ def _train(impl: str, mixed: bool):
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16_params"])
 def test_one_gpu_matches_torch_without_host_syncs(mixed):
-    backend = "cpu:gloo,cuda:nccl"
+    backend = backend_for("cuda")
     (t_losses, t_params, _), = run_on_ranks(_train, 1, args=("torch", mixed), backend=backend,
                                              timeout=300)
     (v_losses, v_params, streams), = run_on_ranks(_train, 1, args=("veragged", mixed),
@@ -123,7 +124,8 @@ def test_profiler_trace_overlap_on_both_sides():
     """The benchmarks' NCCL-overlap figure reads a real trace: compute kernels are found, and
     whatever NCCL time one rank shows is split into hidden and exposed parts."""
     for impl in ("torch", "veragged"):
-        r, = run_on_ranks(_profiled, 1, args=(impl,), backend="cpu:gloo,cuda:nccl", timeout=300)
+        r, = run_on_ranks(_profiled, 1, args=(impl,), backend=backend_for("cuda"),
+                           timeout=300)
         assert r["compute_us"] > 0, (impl, r)
         assert 0.0 <= r["hidden"] <= 1.0, (impl, r)
         assert abs(r["hidden_us"] + r["exposed_us"] - r["nccl_us"]) < 1e-6, (impl, r)
