@@ -29,6 +29,11 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _unboxed(group) -> dist.ProcessGroup:
+    """The process group of a c10d op's argument (the dispatcher passes it boxed)."""
+    return group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)
+
+
 class PeerTraffic(TorchDispatchMode):
     """Bytes received from other ranks by all-to-alls and all-gathers while active (`bytes`;
     per op in `by_op`; every c10d op seen in `ops`)."""
@@ -54,17 +59,14 @@ class PeerTraffic(TorchDispatchMode):
     def _received(name: str, args) -> int:
         if name == "alltoall_base_":
             output, _, group, out_splits = args[:4]
-            if not isinstance(group, dist.ProcessGroup):  # the dispatcher's boxed form
-                group = dist.ProcessGroup.unbox(group)
+            group = _unboxed(group)
             if not out_splits:
                 size = group.size()
                 return _bytes(output) * (size - 1) // size
             return (sum(out_splits) - out_splits[group.rank()]) * output.element_size()
         if name == "broadcast_":  # every rank but the root receives the tensors
             tensors, group, root = args[:3]
-            if not isinstance(group, dist.ProcessGroup):
-                group = dist.ProcessGroup.unbox(group)
-            return 0 if group.rank() == root else sum(_bytes(t) for t in tensors)
+            return 0 if _unboxed(group).rank() == root else sum(_bytes(t) for t in tensors)
         if name == "_allgather_base_":
             output, inp = args[:2]
             return _bytes(output) - _bytes(inp)
