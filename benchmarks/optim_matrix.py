@@ -50,6 +50,15 @@ step's all-to-alls and all-gathers (`veragged.testing.traffic.PeerTraffic`, summ
 the expert elements the plan sends to their owners, and the plan's max/mean load. Target: local
 sends <= 0.2x lpt's bytes and is no slower than lpt.
 
+Part 4, batched owner compute ([Note: batched owner products]). The MoE of part 3 in one
+process (an owner's work: every matrix whole), each optimizer with its part-1 settings, twice:
+same-shape products batched where a probe found that bitwise, and `batched.one_by_one()`.
+Columns: the median step time, the launches of one step (veragged.testing.copies.LaunchCounter:
+every dispatched op but views and allocations), the matrix products among them (mm, addmm, bmm,
+baddbmm) and whether the two runs' parameters are bitwise equal after the steps. On a GPU the
+launch count is what a step of many small matrices is bound by; on 2 CPU cores the time moves
+less.
+
 Prints the tables, whether each target is met, then one JSON line with every number (`--json`:
 only the JSON on stdout). `--quick`: a tiny model and two DP sizes (a smoke run for tests).
 The default run takes about 6 minutes on 2 CPU cores, most of it in SC's Shampoo and SOAP steps.
@@ -58,6 +67,7 @@ The default run takes about 6 minutes on 2 CPU cores, most of it in SC's Shampoo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -67,6 +77,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 WORLD = 4
 # (dim, layers) of the Llama; hidden = 8 dim / 3 (SwiGLU), heads 4, vocab 256.
@@ -272,6 +283,78 @@ def print_moe_table(rows, spec, out):
     _print_lines(head, lines, out)
 
 
+PRODUCTS = ("mm", "addmm", "bmm", "baddbmm")
+BATCH_STEPS, QUICK_BATCH_STEPS = 6, 2
+
+
+def batched_compute(spec, steps):
+    """Part 4: each optimizer on the plain MoE, batched and one by one, in this process."""
+    from veragged.optim import batched
+    from veragged.testing.copies import LaunchCounter
+    from veragged.testing.grads import set_grads
+    from veragged.testing.moe import MoE, MoEConfig
+
+    cfg = MoEConfig(vocab=256, dim=spec["dim"], layers=spec["layers"], heads=4,
+                    experts=spec["experts"], top_k=2, hidden=spec["hidden"])
+    rows = {}
+    modes = {"batched": contextlib.nullcontext, "one by one": batched.one_by_one}
+    for name in OPTIMIZERS:  # the two runs step in turn, so drifts of the machine hit both
+        runs = {}
+        for mode in modes:
+            torch.manual_seed(0)
+            model = MoE(cfg)
+            runs[mode] = (list(model.parameters()), _make_optimizer(name, model, "lpt"))
+        times = {mode: [] for mode in modes}
+        for step in range(steps + 1):  # the first (probes, SOAP's setup) untimed
+            for mode, (params, opt) in runs.items():
+                set_grads(params, step)
+                with modes[mode]():
+                    start = time.perf_counter()
+                    opt.step()
+                    if step:
+                        times[mode].append(time.perf_counter() - start)
+        row = {}
+        for mode, (params, opt) in runs.items():
+            set_grads(params, steps + 1)
+            with modes[mode](), _ProductCounter() as products, LaunchCounter() as launches:
+                opt.step()
+            row[mode] = {"step_s": statistics.median(times[mode]), "steps_s": times[mode],
+                         "launches": sum(launches.counts.values()),
+                         "products": products.count}
+        row["bitwise"] = all(torch.equal(a, b) for a, b in zip(runs["batched"][0],
+                                                                runs["one by one"][0]))
+        row["time_ratio"] = row["batched"]["step_s"] / row["one by one"]["step_s"]
+        row["launch_ratio"] = row["batched"]["launches"] / row["one by one"]["launches"]
+        rows[name] = row
+    return rows
+
+
+class _ProductCounter(TorchDispatchMode):
+    """Counts the matrix products dispatched (mm, addmm, bmm, baddbmm)."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name.split("::")[-1] in PRODUCTS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def print_batch_table(rows, spec, out):
+    print(f"Batched owner compute: the MoE of part 3 ({spec['experts']} experts per layer) in one "
+          "process, batched vs one by one", file=out)
+    head = ["optimizer", "step ms", "one-by-one ms", "time ratio", "launches", "one-by-one",
+            "products", "one-by-one", "bitwise"]
+    lines = []
+    for name, r in rows.items():
+        b, o = r["batched"], r["one by one"]
+        lines.append([name, f"{b['step_s'] * 1e3:.1f}", f"{o['step_s'] * 1e3:.1f}",
+                      f"{r['time_ratio']:.2f}", f"{b['launches']:,}", f"{o['launches']:,}",
+                      f"{b['products']:,}", f"{o['products']:,}",
+                      "yes" if r["bitwise"] else "NO"])
+    _print_lines(head, lines, out)
+
+
 def print_step_table(rows, dim, layers, out):
     print(f"Step time, {WORLD} gloo ranks, Llama dim {dim}, {layers} layers (slowest rank)",
           file=out)
@@ -391,6 +474,12 @@ def main(argv=None):
           f"({local['time_vs_lpt']:.2f}x)", file=out)
     print(file=out)
 
+    batch = batched_compute(moe_spec, QUICK_BATCH_STEPS if args.quick else BATCH_STEPS)
+    print_batch_table(batch, moe_spec, out)
+    print("batched results bitwise the one-by-one ones: "
+          + ("yes" if all(r["bitwise"] for r in batch.values()) else "NO"), file=out)
+    print(file=out)
+
     rows = balance(dp_sizes, models)
     print_balance_table(rows, out)
     verdicts = [r["lpt_verdict"] for r in rows]
@@ -414,6 +503,7 @@ def main(argv=None):
         "step": steps,
         "moe": {"spec": moe_spec, "rows": moe, "bytes_target": BYTES_TARGET,
                 "bytes_met": moe_bytes_met, "time_met": moe_time_met},
+        "batched": batch,
         "speedup_target": SPEEDUP_TARGET,
         "speedup_met": speed_met,
         "cost_models": COST_MODELS,

@@ -1,5 +1,5 @@
 """benchmarks/optim_matrix.py --quick runs end to end: every optimizer and mode on 4 ranks, the
-Qwen3 balance table, and one JSON line (smoke only: no timing targets are asserted)."""
+MoE, batched owner compute (bitwise, fewer launches), the Qwen3 balance table, and one JSON line (smoke only: no timing targets are asserted)."""
 
 import json
 import os
@@ -30,6 +30,12 @@ def test_optim_matrix_quick():
     assert moe["local"]["expert_elements_moved"] < moe["lpt"]["expert_elements_moved"]
     assert moe["local"]["bytes"] < moe["lpt"]["bytes"]
     assert moe["SC"]["expert_elements_moved"] is None
+    batch = result["batched"]  # part 4: batching changes launches, never bits
+    assert set(batch) == {"Muon", "Shampoo", "SOAP"}
+    for r in batch.values():
+        assert r["bitwise"], r
+        assert r["batched"]["products"] < r["one by one"]["products"], r
+        assert r["batched"]["launches"] < r["one by one"]["launches"], r
     assert "optimizer" in out.stderr and "lpt target" in out.stderr  # the tables
     rows = result["balance"]
     assert {r["optimizer"] for r in rows} == {"Muon", "Shampoo", "SOAP"}

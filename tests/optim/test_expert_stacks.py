@@ -376,7 +376,8 @@ def test_batched_newton_schulz_is_bitwise_or_not_used():
             got = ns.orthogonalize_batch(xs, dtype=torch.float32)
             for x, g in zip(xs, got):
                 assert torch.equal(g, ns.orthogonalize(x, dtype=torch.float32)[0]), shape
-            key = (shape, n, ns.DEFAULT_COEFFICIENTS, 5, 1e-7, torch.float32, x.device)
+            key = (shape, n, ns.DEFAULT_COEFFICIENTS, 5, 1e-7, torch.float32, x.device,
+                   torch.get_num_threads())
             batched[shape, n] = ns._BATCHABLE[key]
     assert any(batched.values()), batched  # the batched path ran (and matched) somewhere
     # mixed shapes in one call: grouped by shape, order kept

@@ -54,7 +54,7 @@ from veragged.optim.owners import OwnerPlan, plan_owners
 from veragged.optim.pieces import check_placements, slice_layout
 from veragged.placement.collectives import all_gather
 
-__all__ = ["Matrix", "MatrixOptimizer", "STRATEGIES"]
+__all__ = ["Matrix", "MatrixOptimizer", "STRATEGIES", "aligned_input"]
 
 STRATEGIES = ("lpt", "local", "alpha", "naive", "layer", "replicated")
 
@@ -94,6 +94,12 @@ class Matrix:
     def local(self, t: torch.Tensor) -> torch.Tensor:
         """Its piece of a tensor sharded like its parameter (flat view)."""
         return local(t).view(-1)[self.span[0]:self.span[1]]
+
+
+def aligned_input(full: torch.Tensor) -> torch.Tensor:
+    """`full`, or a copy of it where it does not start where a matrix of its own would
+    ([Note: aligned owner inputs]): a view into a stack, or into an unaligned buffer."""
+    return full.clone() if full.data_ptr() % ALIGN_BYTES else full
 
 
 @dataclass
@@ -373,27 +379,31 @@ class MatrixOptimizer(Optimizer):
     def _compute_aligned(self, m: Matrix, full: torch.Tensor):
         """`_compute` on `full` where a matrix of its own would start ([Note: aligned owner
         inputs]): a view into a stack, or into an unaligned buffer, is copied first."""
-        if full.data_ptr() % ALIGN_BYTES:
-            full = full.clone()
-        return self._compute(m, full)
+        return self._compute(m, aligned_input(full))
 
     def _step_whole(self, domain: _Domain, pieces: dict[int, torch.Tensor]) -> None:
-        """Matrices every rank has whole (plain tensors, replicated DTensors), or with
-        owners="replicated": gather each to every rank and compute it everywhere."""
+        """Matrices every rank has whole (plain tensors, replicated DTensors): computed
+        together, so same-shape ones can batch; with owners="replicated", each is gathered to
+        every rank and computed everywhere, one at a time (a gathered copy of every matrix at
+        once would cost the whole model's gradients in memory)."""
+        whole = [m for m in domain.matrices if id(m) in pieces and m.layout.group is None]
+        sends = [self._has_update(m) for m in whole]
+        outs = self._compute_many(whole, [pieces[id(m)].reshape(-1) for m in whole])
+        for m, send, full in zip(whole, sends, outs):
+            if send:
+                self._apply(m, full)
         for m in domain.matrices:
-            u = pieces.get(id(m))
-            if u is None:
-                continue
             lay = m.layout
-            if lay.group is not None:
-                bounds = (0, *itertools.accumulate(lay.sizes))  # pieces in rank order
-                u = all_gather(u, bounds, lay.group, (lay.numel,)).finish()
-                if not lay.in_rank_order:
-                    u = lay.assemble(u.split(lay.sizes))
+            if id(m) not in pieces or lay.group is None:
+                continue
+            bounds = (0, *itertools.accumulate(lay.sizes))  # pieces in rank order
+            u = all_gather(pieces[id(m)], bounds, lay.group, (lay.numel,)).finish()
+            if not lay.in_rank_order:
+                u = lay.assemble(u.split(lay.sizes))
             sends = self._has_update(m)
             full = self._compute_many([m], [u.reshape(-1)])[0]
             if sends:
-                self._apply(m, lay.mine(full) if lay.group is not None else full)
+                self._apply(m, lay.mine(full))
 
     def _step_owned(self, domain: _Domain, pieces: dict[int, torch.Tensor]) -> None:
         """Owners compute; micro-groups pipelined ([Note: Muon matrix exchange]). A matrix its

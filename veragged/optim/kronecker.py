@@ -15,14 +15,8 @@ __all__ = [
     "project",
     "project_back",
     "refresh_eigenbasis",
-    "side_grams",
     "tiles",
 ]
-
-
-def side_grams(g: torch.Tensor, left: bool, right: bool):
-    """G G^T and G^T G of the 2-D `g` (None for a side that is not wanted)."""
-    return (g @ g.T if left else None), (g.T @ g if right else None)
 
 
 def project(g: torch.Tensor, q_left, q_right) -> torch.Tensor:

@@ -12,6 +12,8 @@ from typing import Sequence
 
 import torch
 
+from veragged.optim.batched import aligned_stack, enabled
+
 __all__ = ["orthogonalize", "orthogonalize_batch", "interleave", "adjusted_lr",
            "DEFAULT_COEFFICIENTS"]
 
@@ -99,32 +101,16 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
 
 
 # [Note: batched Newton-Schulz]
-# An owner often holds many matrices of one shape (the experts of a stack). Their Newton-Schulz
-# iterations can run as one batched launch per product (bmm / baddbmm over a stack) instead of
-# one per matrix, which on a GPU is the difference between 15 launches per matrix and 15 in
-# all. That is only done where it changes no bit: BLAS libraries pick kernels (and so the
-# summation order) by shape, batch count and alignment, and on CPU (MKL, torch 2.15) a batched
-# product of small matrices (7 x 5, 6 x 10) differs from the unbatched one in the last bits
-# while larger ones (33 x 17 and up) agree. So each (shape, count, dtype, device, iteration)
-# is probed once per process: the batch is run both ways on random matrices and batched only if
-# every result is bitwise the same. Every matrix of the batch sits at a 256-byte aligned offset
-# of its buffer (a matrix of its own starts there too: [Note: aligned owner inputs]), and the
+# Newton-Schulz is the longest chain of owner products (three per iteration, fifteen per
+# matrix), so an owner's same-shape matrices run it batched (bmm / baddbmm over a stack) where
+# that changes no bit, under the rules of [Note: batched owner products]: each (shape, count,
+# dtype, device, iteration, thread count) is probed once per process, the whole iteration
+# batched against `_newton_schulz` one by one, and batched only if every result is bitwise
+# the same (on this CPU, MKL: 7 x 5 and 6 x 10 are not, 33 x 17 and larger are). The
 # normalisation divides each matrix by its own norm computed alone (a batched norm reduces in
 # another order).
 
 _BATCHABLE: dict = {}
-
-
-def _aligned_stack(xs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The matrices stacked (n, r, c), each at a 256-byte aligned offset of one buffer."""
-    r, c = xs[0].shape
-    align = max(1, 256 // xs[0].element_size())
-    stride = -(-(r * c) // align) * align
-    buf = xs[0].new_empty(len(xs) * stride)
-    out = buf.as_strided((len(xs), r, c), (stride, c, 1))
-    for i, x in enumerate(xs):
-        out[i].copy_(x)
-    return out
 
 
 def _newton_schulz_batch(gs: Sequence[torch.Tensor], coefficients: Sequence[float], steps: int,
@@ -132,7 +118,7 @@ def _newton_schulz_batch(gs: Sequence[torch.Tensor], coefficients: Sequence[floa
     """`_newton_schulz` of each same-shape `gs[i]`, the products batched."""
     a, b, c = coefficients
     tall = gs[0].size(0) > gs[0].size(1)
-    x = _aligned_stack([g.to(dtype=dtype) for g in gs])
+    x = aligned_stack([g.to(dtype=dtype) for g in gs])
     if tall:
         x = x.transpose(1, 2)
     norms = torch.stack([xi.norm() for xi in x]).clamp(min=eps)
@@ -145,7 +131,8 @@ def _newton_schulz_batch(gs: Sequence[torch.Tensor], coefficients: Sequence[floa
 
 
 def _batchable(shape, n: int, coefficients, steps: int, eps: float, dtype, device) -> bool:
-    key = (tuple(shape), n, tuple(coefficients), steps, eps, dtype, device)
+    key = (tuple(shape), n, tuple(coefficients), steps, eps, dtype, device,
+           torch.get_num_threads())
     ok = _BATCHABLE.get(key)
     if ok is None:
         g = torch.Generator(device=device).manual_seed(0)
@@ -173,7 +160,7 @@ def orthogonalize_batch(
         by_shape.setdefault(tuple(u.shape), []).append(i)
     for shape, idx in by_shape.items():
         gs = [updates[i] for i in idx]
-        if len(idx) > 1 and 0 not in shape and _batchable(
+        if len(idx) > 1 and 0 not in shape and enabled() and _batchable(
                 shape, len(idx), coefficients, steps, eps, dtype, gs[0].device):
             results = _newton_schulz_batch(gs, coefficients, steps, eps, dtype)
         else:

@@ -9,7 +9,8 @@ from typing import Iterable
 import torch
 
 from veragged.optim.common import local
-from veragged.optim.engine import Matrix, MatrixOptimizer
+from veragged.optim.batched import chains
+from veragged.optim.engine import Matrix, MatrixOptimizer, aligned_input
 from veragged.optim.kronecker import inverse_root, tiles
 
 __all__ = ["Shampoo"]
@@ -166,36 +167,40 @@ class Shampoo(MatrixOptimizer):
         self.state[p]["step"] += 1
 
     def _compute(self, m: Matrix, full: torch.Tensor) -> torch.Tensor:
-        group = m.group
-        g = m.as_matrix(full).float()
-        t = int(self.state[m.param]["step"]) + 1
-        b1, b2 = group["betas"]
-        owned = lambda name: self.owned_state(m, name)  # noqa: E731
-        exp_avg, exp_avg_sq = owned("exp_avg"), owned("exp_avg_sq")
-        graft, filtered = _graft(g, exp_avg, exp_avg_sq, t, group)  # also moves the moments
-        f = group["precondition_frequency"]
-        start = group["start_preconditioning_step"]
-        refresh = (t % f == 0 and t > start) or t == start  # Distributed Shampoo's rule
-        precondition = t >= start
-        direction = torch.empty_like(g)
-        for k, (r0, a, c0, b) in enumerate(self._tiles(m)):
-            block = g[r0:r0 + a, c0:c0 + b]
-            fl, fr = owned(f"factor_left_{k}"), owned(f"factor_right_{k}")
-            _accumulate(fl, block @ block.T, b2)
-            _accumulate(fr, block.T @ block, b2)
-            rl, rr = owned(f"root_left_{k}"), owned(f"root_right_{k}")
-            if refresh:
+        return self._compute_many([m], [full])[0]
+
+    def _compute_many(self, ms: list[Matrix], fulls: list[torch.Tensor]) -> list:
+        """The directions of `ms`, tile by tile; each product (G G^T, G^T G, L^-1/4 M R^-1/4)
+        runs over the tiles of every matrix at once, batched by shape where that is bitwise
+        the one-by-one product ([Note: batched owner products]). Tiles are independent, so
+        doing every tile's factors, then roots, then direction is doing them tile by tile."""
+        works = [_Work(self, m, aligned_input(full)) for m, full in zip(ms, fulls)]
+        tiles = [(w, k) for w in works for k in range(len(w.tiles))]
+        blocks = [w.block(w.g, k) for w, k in tiles]
+        grams = chains([(b, b.T) for b in blocks] + [(b.T, b) for b in blocks])
+        for j, (w, k) in enumerate(tiles):
+            b2 = w.m.group["betas"][1]
+            _accumulate(w.owned(f"factor_left_{k}"), grams[j], b2)
+            _accumulate(w.owned(f"factor_right_{k}"), grams[len(tiles) + j], b2)
+        for w, k in tiles:
+            if w.refresh:
+                group = w.m.group
+                b2, t = group["betas"][1], w.t
                 scale = 1.0 - b2**t if (b2 < 1 and group["use_bias_correction"]) else 1.0
-                for side, factor, root in (("left", fl, rl), ("right", fr, rr)):
-                    self._refresh_root(m, f"factor_{side}_{k}", factor / scale, root, t, group)
-            out = direction[r0:r0 + a, c0:c0 + b]
-            grafted = graft[r0:r0 + a, c0:c0 + b]
-            if not precondition:
-                out.copy_(grafted)
-                continue
-            s = rl @ filtered[r0:r0 + a, c0:c0 + b] @ rr
-            out.copy_(s.mul_(grafted.norm() / (s.norm() + 1e-16)))
-        return m.to_flat(direction)
+                for side in ("left", "right"):
+                    factor = w.owned(f"factor_{side}_{k}")
+                    self._refresh_root(w.m, f"factor_{side}_{k}", factor / scale,
+                                       w.owned(f"root_{side}_{k}"), t, group)
+        ready = [(w, k) for w, k in tiles if w.precondition]
+        products = chains([(w.owned(f"root_left_{k}"), w.block(w.filtered, k),
+                            w.owned(f"root_right_{k}")) for w, k in ready])
+        for (w, k), s in zip(ready, products):  # scaled to the grafting direction's norm
+            w.tile(w.direction, k).copy_(
+                s.mul_(w.tile(w.graft, k).norm() / (s.norm() + 1e-16)))
+        for w, k in tiles:
+            if not w.precondition:
+                w.tile(w.direction, k).copy_(w.tile(w.graft, k))
+        return [w.m.to_flat(w.direction) for w in works]
 
     def _refresh_root(self, m: Matrix, name: str, factor: torch.Tensor, root: torch.Tensor,
                       t: int, group: dict) -> None:
@@ -232,6 +237,34 @@ class Shampoo(MatrixOptimizer):
         buf = state.get("momentum_buffer")
         _descend(local(p).view(-1), direction.reshape(-1),
                  None if buf is None else local(buf).view(-1), group)
+
+
+class _Work:
+    """One matrix's step on its owner: its gradient, grafting direction and first moment
+    (moments already moved), its tiles, and whether its roots refresh and precondition."""
+
+    def __init__(self, opt: Shampoo, m: Matrix, full: torch.Tensor):
+        group = m.group
+        self.m, self.owned = m, (lambda name: opt.owned_state(m, name))
+        self.g = m.as_matrix(full).float()
+        self.t = t = int(opt.state[m.param]["step"]) + 1
+        self.graft, self.filtered = _graft(self.g, self.owned("exp_avg"),
+                                           self.owned("exp_avg_sq"), t, group)
+        f, start = group["precondition_frequency"], group["start_preconditioning_step"]
+        self.refresh = (t % f == 0 and t > start) or t == start  # Distributed Shampoo's rule
+        self.precondition = t >= start
+        self.tiles = opt._tiles(m)
+        self.direction = torch.empty_like(self.g)
+
+    def tile(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """Tile k of the (rows, cols) `x`: a view."""
+        r0, a, c0, b = self.tiles[k]
+        return x[r0:r0 + a, c0:c0 + b]
+
+    def block(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """Tile k of `x` as a matrix of its own (copied out unless it is the whole `x`), as
+        the products take it ([Note: batched owner products])."""
+        return self.tile(x, k).contiguous()
 
 
 def _accumulate(factor: torch.Tensor, gram: torch.Tensor, beta2: float) -> None:

@@ -8,14 +8,9 @@ from typing import Iterable
 import torch
 
 from veragged.optim.common import local
-from veragged.optim.engine import Matrix, MatrixOptimizer
-from veragged.optim.kronecker import (
-    eigenbasis,
-    project,
-    project_back,
-    refresh_eigenbasis,
-    side_grams,
-)
+from veragged.optim.batched import chains
+from veragged.optim.engine import Matrix, MatrixOptimizer, aligned_input
+from veragged.optim.kronecker import eigenbasis, project, project_back, refresh_eigenbasis
 
 __all__ = ["SOAP"]
 
@@ -139,40 +134,36 @@ class SOAP(MatrixOptimizer):
         self.state[p]["step"] += 1
 
     def _compute(self, m: Matrix, full: torch.Tensor):
-        group = m.group
-        g = m.as_matrix(full).float()
-        left, right = self._sides(group, m.shape)
-        owned = lambda name: self.owned_state(m, name)  # noqa: E731
-        fl = owned("factor_left") if left else None
-        fr = owned("factor_right") if right else None
-        ql = owned("basis_left") if left else None
-        qr = owned("basis_right") if right else None
-        decay = 1 - (group["shampoo_beta"] if group["shampoo_beta"] >= 0 else group["betas"][1])
-        t = int(self.state[m.param]["step"])
-        if t == 0:
-            _accumulate(g, fl, fr, decay)
-            for f, q in ((fl, ql), (fr, qr)):
-                if f is not None:
-                    q.copy_(eigenbasis(f))
-            return None
-        b1, b2 = group["betas"]
-        exp_avg, exp_avg_sq = owned("exp_avg"), owned("exp_avg_sq")
-        projected = project(g, ql, qr)
-        exp_avg.mul_(b1).add_(projected, alpha=1 - b1)
-        exp_avg_sq.mul_(b2).add_(projected.square(), alpha=1 - b2)
-        denom = exp_avg_sq.sqrt().add_(group["eps"])
-        update = project_back(exp_avg / denom, ql, qr)
-        _accumulate(g, fl, fr, decay)
-        if t % group["precondition_frequency"] == 0:
-            moment = project_back(exp_avg, ql, qr)
-            for dim, (f, q) in enumerate(((fl, ql), (fr, qr))):
-                if f is None:
-                    continue
-                basis, order = refresh_eigenbasis(f, q)
-                exp_avg_sq.copy_(exp_avg_sq.index_select(dim, order))
-                q.copy_(basis)
-            exp_avg.copy_(project(moment, ql, qr))
-        return m.to_flat(update)
+        return self._compute_many([m], [full])[0]
+
+    def _compute_many(self, ms: list[Matrix], fulls: list[torch.Tensor]) -> list:
+        """The updates of `ms` (None on a matrix's first step); each product (Q_L^T G Q_R,
+        Q_L N Q_R^T, G G^T, G^T G) runs over every matrix at once, batched by shape where that
+        is bitwise the one-by-one product ([Note: batched owner products]). Matrices are
+        independent, so doing each product for all of them in turn is doing them one by one."""
+        works = [_Work(self, m, aligned_input(full)) for m, full in zip(ms, fulls)]
+        live = [w for w in works if w.t > 0]
+        projected = chains([_chain(_t(w.ql), w.g, w.qr) for w in live])
+        for w, x in zip(live, projected):  # Adam in the eigenbasis
+            b1, b2 = w.m.group["betas"]
+            exp_avg, exp_avg_sq = w.owned("exp_avg"), w.owned("exp_avg_sq")
+            exp_avg.mul_(b1).add_(x, alpha=1 - b1)
+            exp_avg_sq.mul_(b2).add_(x.square(), alpha=1 - b2)
+            w.normalized = exp_avg / exp_avg_sq.sqrt().add_(w.m.group["eps"])
+        updates = chains([_chain(w.ql, w.normalized, _t(w.qr)) for w in live])
+        sides = [(w.fl, w, (w.g, w.g.T)) for w in works if w.fl is not None]
+        sides += [(w.fr, w, (w.g.T, w.g)) for w in works if w.fr is not None]
+        for (factor, w, _), gram in zip(sides, chains([c for _, _, c in sides])):
+            factor.lerp_(gram, w.decay)  # L <- lerp(L, G G^T), R <- lerp(R, G^T G)
+        for w in works:
+            if w.t == 0:  # the first step only sets the factors and their bases
+                for f, q in ((w.fl, w.ql), (w.fr, w.qr)):
+                    if f is not None:
+                        q.copy_(eigenbasis(f))
+            elif w.t % w.m.group["precondition_frequency"] == 0:
+                _refresh(w)
+        out = {id(w): w.m.to_flat(u) for w, u in zip(live, updates)}
+        return [out.get(id(w)) for w in works]
 
     def _step_size(self, group: dict, t: int) -> float:
         if not group["correct_bias"]:
@@ -198,13 +189,46 @@ class SOAP(MatrixOptimizer):
         _descend(local(p), exp_avg / denom, self._step_size(group, t), group)
 
 
-def _accumulate(g: torch.Tensor, fl, fr, decay: float) -> None:
-    """L <- lerp(L, G G^T, decay), R <- lerp(R, G^T G, decay) (None sides skipped)."""
-    gl, gr = side_grams(g, fl is not None, fr is not None)
-    if fl is not None:
-        fl.lerp_(gl, decay)
-    if fr is not None:
-        fr.lerp_(gr, decay)
+class _Work:
+    """One matrix's step on its owner: its gradient, factors and bases (None: a side that is
+    not preconditioned), the calls so far, and the factors' EMA weight."""
+
+    def __init__(self, opt: SOAP, m: Matrix, full: torch.Tensor):
+        group = m.group
+        self.m, self.owned = m, (lambda name: opt.owned_state(m, name))
+        self.g = m.as_matrix(full).float()
+        left, right = opt._sides(group, m.shape)
+        self.fl, self.ql = (self.owned("factor_left"), self.owned("basis_left")) if left \
+            else (None, None)
+        self.fr, self.qr = (self.owned("factor_right"), self.owned("basis_right")) if right \
+            else (None, None)
+        self.t = int(opt.state[m.param]["step"])
+        self.decay = 1 - (group["shampoo_beta"] if group["shampoo_beta"] >= 0
+                          else group["betas"][1])
+        self.normalized = None  # M / (sqrt(V) + eps), once the moments moved
+
+
+def _refresh(w: _Work) -> None:
+    """The bases' power iteration and QR; V permuted by the new order, M rotated into the new
+    basis."""
+    exp_avg, exp_avg_sq = w.owned("exp_avg"), w.owned("exp_avg_sq")
+    moment = project_back(exp_avg, w.ql, w.qr)
+    for dim, (f, q) in enumerate(((w.fl, w.ql), (w.fr, w.qr))):
+        if f is None:
+            continue
+        basis, order = refresh_eigenbasis(f, q)
+        exp_avg_sq.copy_(exp_avg_sq.index_select(dim, order))
+        q.copy_(basis)
+    exp_avg.copy_(project(moment, w.ql, w.qr))
+
+
+def _t(q: torch.Tensor | None) -> torch.Tensor | None:
+    return None if q is None else q.T
+
+
+def _chain(*xs: torch.Tensor | None) -> list[torch.Tensor]:
+    """The product's operands, a side that is not preconditioned (None) left out."""
+    return [x for x in xs if x is not None]
 
 
 def _descend(param: torch.Tensor, update: torch.Tensor, step_size: float, group: dict) -> None:
