@@ -10,6 +10,12 @@ import torch.nn as nn
 from veragged.optim import SOAP, Muon, Shampoo, batched
 
 SHAPES = [(7, 5), (6, 10), (16, 12), (33, 17), (64, 48), (96, 192)]
+DEVICE = torch.get_default_device()  # GPU 0 under VERAGGED_TEST_DEVICE=cuda
+ON_CPU = DEVICE.type == "cpu"  # the claims about which kinds batch are MKL's
+
+
+def _generator(seed):
+    return torch.Generator(device=DEVICE).manual_seed(seed)
 
 
 def _chains_of(shape, n, g):
@@ -24,7 +30,7 @@ def _chains_of(shape, n, g):
 
 @pytest.mark.parametrize("n", [2, 5])
 def test_chains_are_bitwise_one_by_one(n):
-    g = torch.Generator().manual_seed(0)
+    g = _generator(0)
     products = [c for shape in SHAPES for c in _chains_of(shape, n, g)]
     got = batched.chains(products)
     for c, r in zip(products, got):
@@ -33,12 +39,12 @@ def test_chains_are_bitwise_one_by_one(n):
             want = want @ x
         assert torch.equal(r, want), [tuple(x.shape) for x in c]
     mine = {k: v for k, v in batched.verdicts().items() if k[1] == n}
-    assert any(mine.values()), mine  # batching ran (and matched) for some kinds here
-    print({(k[0][0][0], k[1]): v for k, v in mine.items()})
+    print({(k[0][0][0], k[1]): v for k, v in mine.items()})  # where it batches (-s shows it)
+    assert any(mine.values()) or not ON_CPU, mine  # on MKL some kinds batch (and match)
 
 
 def test_chains_results_start_aligned_and_odd_operands_run_alone():
-    g = torch.Generator().manual_seed(1)
+    g = _generator(1)
     xs = [torch.randn(64, 48, generator=g) for _ in range(3)]
     got = batched.chains([(x, x.T) for x in xs])
     assert all(r.data_ptr() % batched.OPERAND_ALIGN_BYTES == 0 for r in got)  # as fresh ones
@@ -73,7 +79,7 @@ def test_compute_many_equals_one_by_one(name):
     alone = [nn.Parameter(v.clone()) for v in values]
     opt_together, opt_alone = _optimizer(name, together), _optimizer(name, alone)
     ms_together, ms_alone = opt_together.matrices(), opt_alone.matrices()
-    g = torch.Generator().manual_seed(1)
+    g = _generator(1)
     for step in range(5):
         grads = [torch.randn(s, generator=g) for s in shapes]
         for ps in (together, alone):
@@ -93,5 +99,5 @@ def test_compute_many_equals_one_by_one(name):
         for opt, ps in ((opt_together, together), (opt_alone, alone)):
             for p in ps:
                 opt._after_param(p)
-    if name != "muon":  # (Muon's Newton-Schulz keeps its own verdicts)
-        assert any(batched.verdicts().values())  # some of these products batched here (MKL)
+    if name != "muon" and ON_CPU:  # (Muon's Newton-Schulz keeps its own verdicts)
+        assert any(batched.verdicts().values())  # some of these products batched (MKL)
