@@ -248,6 +248,13 @@ class MatrixOptimizer(Optimizer):
         """The dtype updates travel in."""
         return torch.float32
 
+    def _start_step(self, grads: dict[int, torch.Tensor | None]) -> None:
+        """Once every parameter's gradient (or None: nobody has one) is known, before any
+        parameter changes (background refreshes: [Note: asynchronous roots])."""
+
+    def _settle(self) -> None:
+        """Before the plan is rebuilt (background refreshes: [Note: asynchronous roots])."""
+
     # --- groups and state ----------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict) -> None:
@@ -265,6 +272,7 @@ class MatrixOptimizer(Optimizer):
                 check_placements(p)  # unsupported placements raise here, not at the first step
             self._init_state(p, group, matrix)
         if not self._building:  # the plan covers every group: rebuild it, moving owner state
+            self._settle()
             self._domains = self._build_domains()
 
     def owned_state(self, m: Matrix, name: str) -> torch.Tensor:
@@ -349,6 +357,7 @@ class MatrixOptimizer(Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         presence = GradPresence(params, self.grad_agreement)
         grads = dict(zip(map(id, params), local_grads(params, presence.verdicts())))
+        self._start_step(grads)
         for group in self.param_groups:
             for p in group["params"]:
                 g = grads[id(p)]

@@ -12,11 +12,12 @@ from veragged.optim.common import local
 from veragged.optim.batched import chains
 from veragged.optim.engine import Matrix, MatrixOptimizer, aligned_input
 from veragged.optim.kronecker import inverse_root, tiles
+from veragged.optim.refresh import AsyncRefresh
 
 __all__ = ["Shampoo"]
 
 
-class Shampoo(MatrixOptimizer):
+class Shampoo(AsyncRefresh, MatrixOptimizer):
     """Shampoo (Gupta et al. 2018) as Distributed Shampoo runs it (Shi et al. 2023,
     facebookresearch/optimizers), with Adam grafting, per 2-D parameter.
 
@@ -52,6 +53,12 @@ class Shampoo(MatrixOptimizer):
 
     Distributed: as Muon ([Note: matrix optimizer engine]); the owner holds every factor, root
     and moment of its matrices whole ([Note: owner-resident state]) and sends back the direction.
+
+    Background roots ([Note: asynchronous roots]): with `async_precondition=True` and
+    `staleness=k` (0 <= k <= precondition_frequency) the roots of a refresh at step s are
+    computed by `async_workers` threads and installed before the direction of step s + k,
+    exactly, whatever the timing; steps start .. start + k - 1 take the grafting direction.
+    `async_stats` says what the workers did; k = 0 computes them inline (the default path).
     """
 
     _NAME = "Shampoo"
@@ -78,7 +85,11 @@ class Shampoo(MatrixOptimizer):
         capacity: int | None = None,
         locality_slack: float = 0.05,
         grad_agreement: str = "auto",
+        async_precondition: bool = False,
+        staleness: int = 0,
+        async_workers: int = 1,
     ):
+        self._init_async(async_precondition, staleness, async_workers)
         if start_preconditioning_step == -1:
             start_preconditioning_step = precondition_frequency
         self.root_failures: dict[str, int] = {}  # matrix label -> refreshes that kept the root
@@ -123,6 +134,7 @@ class Shampoo(MatrixOptimizer):
                 "Shampoo: start_preconditioning_step="
                 f"{group['start_preconditioning_step']} must be >= precondition_frequency="
                 f"{group['precondition_frequency']} (the roots are first computed then)")
+        self._check_staleness(group)
 
     def _init_state(self, p: torch.Tensor, group: dict, matrix: bool) -> None:
         state = self.state[p]
@@ -154,7 +166,23 @@ class Shampoo(MatrixOptimizer):
             out[f"factor_right_{k}"] = ((b, b), torch.float32)
             out[f"root_left_{k}"] = ((a, a), torch.float32)
             out[f"root_right_{k}"] = ((b, b), torch.float32)
+            if self.staleness:  # a refresh in flight ([Note: asynchronous roots])
+                out[f"pending_root_left_{k}"] = ((a, a), torch.float32)
+                out[f"pending_root_right_{k}"] = ((b, b), torch.float32)
+        if self.staleness:
+            out["pending_step"] = ((1,), torch.int64)
         return out
+
+    def _refresh_at(self, m: Matrix, t: int) -> bool:
+        group = m.group
+        f, start = group["precondition_frequency"], group["start_preconditioning_step"]
+        return (t % f == 0 and t > start) or t == start  # Distributed Shampoo's rule
+
+    def _counter(self, m: Matrix) -> int:
+        return int(self.state[m.param]["step"]) + 1
+
+    def _jobs_per_refresh(self, m: Matrix) -> int:
+        return len(self._tiles(m))
 
     def _plan_options(self, group: dict) -> dict:
         return dict(cost="shampoo", precondition_frequency=group["precondition_frequency"],
@@ -182,15 +210,13 @@ class Shampoo(MatrixOptimizer):
             b2 = w.m.group["betas"][1]
             _accumulate(w.owned(f"factor_left_{k}"), grams[j], b2)
             _accumulate(w.owned(f"factor_right_{k}"), grams[len(tiles) + j], b2)
-        for w, k in tiles:
+        for w, k in tiles:  # the roots of step t - staleness, then (k = 0: and) those of t
+            if w.install is not None and self._take(w.m, k, w.install, w.t):
+                for side in SIDES:
+                    self._install_root(w.m, k, side, w.owned(f"pending_root_{side}_{k}"),
+                                       w.install)
             if w.refresh:
-                group = w.m.group
-                b2, t = group["betas"][1], w.t
-                scale = 1.0 - b2**t if (b2 < 1 and group["use_bias_correction"]) else 1.0
-                for side in ("left", "right"):
-                    factor = w.owned(f"factor_{side}_{k}")
-                    self._refresh_root(w.m, f"factor_{side}_{k}", factor / scale,
-                                       w.owned(f"root_{side}_{k}"), t, group)
+                self._submit_roots(w, k)
         ready = [(w, k) for w, k in tiles if w.precondition]
         products = chains([(w.owned(f"root_left_{k}"), w.block(w.filtered, k),
                             w.owned(f"root_right_{k}")) for w, k in ready])
@@ -202,25 +228,42 @@ class Shampoo(MatrixOptimizer):
                 w.tile(w.direction, k).copy_(w.tile(w.graft, k))
         return [w.m.to_flat(w.direction) for w in works]
 
-    def _refresh_root(self, m: Matrix, name: str, factor: torch.Tensor, root: torch.Tensor,
-                      t: int, group: dict) -> None:
-        """root <- (factor + epsilon I)^(-1/4), unless the factor is not finite or its
-        eigendecomposition fails: then the previous root stays, the failure is counted in
-        `root_failures[m.label]` and warned about once per matrix (Distributed Shampoo's
-        tolerance for failed root computations; the owner alone sees its factors, so raising
-        here would leave the other ranks waiting in the next exchange)."""
-        try:  # a non-finite factor fails here or gives a non-finite root below
-            new = inverse_root(factor, 4, group["epsilon"])
-        except torch.linalg.LinAlgError:
-            new = None
-        if new is not None and bool(torch.isfinite(new).all()):
-            root.copy_(new)
+    def _submit_roots(self, w: _Work, k: int) -> None:
+        """Tile k's roots from its bias-corrected factors after G_t (snapshots: the division
+        copies them), into its pending state (in the background) or temporaries (inline, then
+        installed now)."""
+        group = w.m.group
+        b2 = group["betas"][1]
+        scale = 1.0 - b2**w.t if (b2 < 1 and group["use_bias_correction"]) else 1.0
+        factors = [w.owned(f"factor_{side}_{k}") / scale for side in SIDES]
+        outs = [w.owned(f"pending_root_{side}_{k}") if self._roots is not None
+                else torch.empty_like(f) for side, f in zip(SIDES, factors)]
+        epsilon = group["epsilon"]
+
+        def run() -> None:
+            for factor, out in zip(factors, outs):
+                _inverse_root_into(out, factor, epsilon)
+
+        self._submit(w.m, k, w.t, run)
+        if self._roots is None:
+            for side, out in zip(SIDES, outs):
+                self._install_root(w.m, k, side, out, w.t)
+
+    def _install_root(self, m: Matrix, k: int, side: str, new: torch.Tensor, s: int) -> None:
+        """root <- `new`, the root of tile k's factor at step `s`, unless it is not finite (the
+        factor was not, or its eigendecomposition failed): then the previous root stays, the
+        failure is counted in `root_failures[m.label]` and warned about once per matrix
+        (Distributed Shampoo's tolerance for failed root computations; the owner alone sees
+        its factors, so raising here would leave the other ranks waiting in the next
+        exchange)."""
+        if bool(torch.isfinite(new).all()):
+            self.owned_state(m, f"root_{side}_{k}").copy_(new)
             return
         count = self.root_failures.get(m.label, 0) + 1
         self.root_failures[m.label] = count
         if count == 1:
-            warnings.warn(f"Shampoo: {name} of {m.label} is not finite or its "
-                          f"eigendecomposition failed at step {t} (a NaN or inf gradient?); "
+            warnings.warn(f"Shampoo: factor_{side}_{k} of {m.label} is not finite or its "
+                          f"eigendecomposition failed at step {s} (a NaN or inf gradient?); "
                           "keeping its previous root (counted in Shampoo.root_failures)",
                           RuntimeWarning, stacklevel=2)
 
@@ -247,12 +290,13 @@ class _Work:
         group = m.group
         self.m, self.owned = m, (lambda name: opt.owned_state(m, name))
         self.g = m.as_matrix(full).float()
-        self.t = t = int(opt.state[m.param]["step"]) + 1
+        self.t = t = opt._counter(m)
         self.graft, self.filtered = _graft(self.g, self.owned("exp_avg"),
                                            self.owned("exp_avg_sq"), t, group)
-        f, start = group["precondition_frequency"], group["start_preconditioning_step"]
-        self.refresh = (t % f == 0 and t > start) or t == start  # Distributed Shampoo's rule
-        self.precondition = t >= start
+        self.refresh = opt._refresh_at(m, t)
+        self.install = opt._due(m, t)  # the submit step of the roots installed now, if any
+        # the first roots are installed at start + staleness; the grafting direction before
+        self.precondition = t >= group["start_preconditioning_step"] + opt.staleness
         self.tiles = opt._tiles(m)
         self.direction = torch.empty_like(self.g)
 
@@ -265,6 +309,17 @@ class _Work:
         """Tile k of `x` as a matrix of its own (copied out unless it is the whole `x`), as
         the products take it ([Note: batched owner products])."""
         return self.tile(x, k).contiguous()
+
+
+SIDES = ("left", "right")
+
+
+def _inverse_root_into(out: torch.Tensor, factor: torch.Tensor, epsilon: float) -> None:
+    """out <- (factor + epsilon I)^(-1/4), or NaN where the eigendecomposition fails."""
+    try:  # a non-finite factor fails here or gives a non-finite root
+        out.copy_(inverse_root(factor, 4, epsilon))
+    except torch.linalg.LinAlgError:
+        out.fill_(float("nan"))
 
 
 def _accumulate(factor: torch.Tensor, gram: torch.Tensor, beta2: float) -> None:

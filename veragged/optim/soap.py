@@ -11,11 +11,12 @@ from veragged.optim.common import local
 from veragged.optim.batched import chains
 from veragged.optim.engine import Matrix, MatrixOptimizer, aligned_input
 from veragged.optim.kronecker import eigenbasis, project, project_back, refresh_eigenbasis
+from veragged.optim.refresh import AsyncRefresh
 
 __all__ = ["SOAP"]
 
 
-class SOAP(MatrixOptimizer):
+class SOAP(AsyncRefresh, MatrixOptimizer):
     """SOAP (Vyas et al. 2024, arXiv 2409.11321; nikhilvyas/SOAP's `soap.py`).
 
     Per 2-D parameter G (r x c) with Kronecker factors L (r x r) and R (c x c) and their
@@ -41,6 +42,12 @@ class SOAP(MatrixOptimizer):
     ([Note: owner-resident state]) and returns N; every rank applies its piece.
     Param groups may set any hyper-parameter and `precondition` (None: 2-D parameters, False:
     Adam only).
+
+    Background bases ([Note: asynchronous roots]): with `async_precondition=True` and
+    `staleness=k` (0 <= k <= precondition_frequency) a refresh at step s (power iteration and QR
+    from the factors after G_s and the basis then) runs on `async_workers` threads and is
+    installed at step s + k exactly, after that step's update (V permuted, M rotated then);
+    the first step's eigendecomposition stays inline. k = 0 refreshes inline (the default).
     """
 
     _NAME = "SOAP"
@@ -62,7 +69,11 @@ class SOAP(MatrixOptimizer):
         capacity: int | None = None,
         locality_slack: float = 0.05,
         grad_agreement: str = "auto",
+        async_precondition: bool = False,
+        staleness: int = 0,
+        async_workers: int = 1,
     ):
+        self._init_async(async_precondition, staleness, async_workers)
         defaults = dict(
             lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps,
             weight_decay=weight_decay, precondition_frequency=precondition_frequency,
@@ -99,6 +110,7 @@ class SOAP(MatrixOptimizer):
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"SOAP: invalid {name}={group[name]!r}")
+        self._check_staleness(group)
 
     def _init_state(self, p: torch.Tensor, group: dict, matrix: bool) -> None:
         state = self.state[p]
@@ -118,7 +130,19 @@ class SOAP(MatrixOptimizer):
         if right:
             out["factor_right"] = ((cols, cols), torch.float32)
             out["basis_right"] = ((cols, cols), torch.float32)
+        if self.staleness:  # a refresh in flight ([Note: asynchronous roots])
+            for side, n, there in (("left", rows, left), ("right", cols, right)):
+                if there:
+                    out[f"pending_basis_{side}"] = ((n, n), torch.float32)
+                    out[f"pending_order_{side}"] = ((n,), torch.int64)
+            out["pending_step"] = ((1,), torch.int64)
         return out
+
+    def _refresh_at(self, m: Matrix, t: int) -> bool:
+        return t > 0 and t % m.group["precondition_frequency"] == 0
+
+    def _counter(self, m: Matrix) -> int:
+        return int(self.state[m.param]["step"])
 
     def _plan_options(self, group: dict) -> dict:
         return dict(cost="soap", precondition_frequency=group["precondition_frequency"],
@@ -160,10 +184,42 @@ class SOAP(MatrixOptimizer):
                 for f, q in ((w.fl, w.ql), (w.fr, w.qr)):
                     if f is not None:
                         q.copy_(eigenbasis(f))
-            elif w.t % w.m.group["precondition_frequency"] == 0:
-                _refresh(w)
+                continue
+            install = self._due(w.m, w.t)  # the refresh of step t - staleness, then t's
+            if install is not None and self._take(w.m, 0, install, w.t):
+                _install(w, [(w.owned(f"pending_basis_{side}"), w.owned(f"pending_order_{side}"))
+                             if f is not None else None for side, f in w.sides()])
+            if self._refresh_at(w.m, w.t):
+                self._submit_bases(w)
         out = {id(w): w.m.to_flat(u) for w, u in zip(live, updates)}
         return [out.get(id(w)) for w in works]
+
+    def _submit_bases(self, w: _Work) -> None:
+        """The new bases and their column orders from snapshots of the factors (after G_t)
+        and the bases, into the pending state (in the background) or temporaries (inline,
+        then installed now)."""
+        inputs = [None if f is None else (f.clone(), q.clone())
+                  for f, q in ((w.fl, w.ql), (w.fr, w.qr))]
+        outs = []
+        for (side, f), q in zip(w.sides(), (w.ql, w.qr)):
+            if f is None:
+                outs.append(None)
+            elif self._roots is not None:
+                outs.append((w.owned(f"pending_basis_{side}"), w.owned(f"pending_order_{side}")))
+            else:
+                outs.append((torch.empty_like(q), torch.empty(q.size(0), dtype=torch.int64,
+                                                                device=q.device)))
+
+        def run() -> None:
+            for snapshot, out in zip(inputs, outs):
+                if snapshot is not None:
+                    basis, order = refresh_eigenbasis(*snapshot)
+                    out[0].copy_(basis)
+                    out[1].copy_(order)
+
+        self._submit(w.m, 0, w.t, run)
+        if self._roots is None:
+            _install(w, outs)
 
     def _step_size(self, group: dict, t: int) -> float:
         if not group["correct_bias"]:
@@ -202,21 +258,25 @@ class _Work:
             else (None, None)
         self.fr, self.qr = (self.owned("factor_right"), self.owned("basis_right")) if right \
             else (None, None)
-        self.t = int(opt.state[m.param]["step"])
+        self.t = opt._counter(m)
         self.decay = 1 - (group["shampoo_beta"] if group["shampoo_beta"] >= 0
                           else group["betas"][1])
         self.normalized = None  # M / (sqrt(V) + eps), once the moments moved
 
+    def sides(self):
+        """(side, its factor or None) for left and right."""
+        return (("left", self.fl), ("right", self.fr))
 
-def _refresh(w: _Work) -> None:
-    """The bases' power iteration and QR; V permuted by the new order, M rotated into the new
-    basis."""
+
+def _install(w: _Work, results: list) -> None:
+    """Install a refresh: M back to the parameter's coordinates in the old bases, each side's
+    new basis (V's rows or columns permuted by its order), M into the new bases."""
     exp_avg, exp_avg_sq = w.owned("exp_avg"), w.owned("exp_avg_sq")
     moment = project_back(exp_avg, w.ql, w.qr)
-    for dim, (f, q) in enumerate(((w.fl, w.ql), (w.fr, w.qr))):
-        if f is None:
+    for dim, (q, result) in enumerate(zip((w.ql, w.qr), results)):
+        if result is None:
             continue
-        basis, order = refresh_eigenbasis(f, q)
+        basis, order = result
         exp_avg_sq.copy_(exp_avg_sq.index_select(dim, order))
         q.copy_(basis)
     exp_avg.copy_(project(moment, w.ql, w.qr))
