@@ -19,6 +19,8 @@ CPU_ONLY = {
                 "gloo), launched as their users launch them on a CPU machine",
     "benchmarks/test_lora_bytes.py": "runs benchmarks/lora_bytes.py, a CPU benchmark",
     "benchmarks/test_optim_matrix.py": "runs benchmarks/optim_matrix.py, a CPU benchmark",
+    "benchmarks/test_async_precondition.py": "runs benchmarks/async_precondition.py, a CPU "
+                                             "benchmark",
     "runtime/test_happens_before.py": "the recorder stands in for the streams to prove their "
                                       "orderings on the CPU; on a GPU the streams themselves "
                                       "run (tests/cuda)",

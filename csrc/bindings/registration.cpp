@@ -2,9 +2,10 @@
 //
 // Schemas live here only. Ops with tensor arguments take their kernels from TORCH_LIBRARY_IMPL
 // blocks beside each implementation (CPU: dbuffer/group_ops.cpp, CUDA: dbuffer/cuda/group_ops.cu;
-// optim/adamw8bit.cpp, optim/cuda/adamw8bit.cu) plus a fake kernel registered in Python
-// (veragged/dbuffer/ops.py, veragged/optim/kernels.py); host-side ops with no tensor
-// arguments bind their single kernel with the schema.
+// optim/adamw8bit.cpp, optim/cuda/adamw8bit.cu; device-generic: optim/roots.cpp) plus a fake
+// kernel registered in Python (veragged/dbuffer/ops.py, veragged/optim/kernels.py,
+// veragged/optim/kronecker.py); host-side ops with no tensor arguments bind their single kernel
+// with the schema.
 
 #include <Python.h>
 #include <torch/library.h>
@@ -74,4 +75,8 @@ TORCH_LIBRARY(veragged, m) {
       "Tensor(c!)[] v_codes, Tensor(d!)[] m_absmax, Tensor(e!)[] v_absmax, Tensor qmap_signed, "
       "Tensor qmap_unsigned, float lr, float beta1, float beta2, float eps, float weight_decay, "
       "int[] steps, int block_size) -> ()");
+  // Shampoo's inverse root and SOAP's basis refresh of one matrix side, each one op (one GIL
+  // release for a background refresh job: optim/roots.cpp, [Note: asynchronous roots]).
+  m.def("inverse_root_(Tensor(a!) out, Tensor factor, int root, float epsilon) -> ()");
+  m.def("refresh_eigenbasis_(Tensor(a!) basis, Tensor(b!) order, Tensor factor, Tensor q) -> ()");
 }

@@ -167,6 +167,29 @@ def test_slow_worker_waits_and_stays_bitwise():
         assert opt.async_stats["max_age"] == 3
 
 
+@pytest.mark.parametrize("n", [1, 5, 24, 67])
+def test_root_and_basis_ops_are_their_python_twins(n):
+    """veragged::inverse_root_ and refresh_eigenbasis_ (one op each, for the workers) are
+    bitwise kronecker.inverse_root and refresh_eigenbasis; a failed eigh gives NaN."""
+    from veragged.optim import kronecker
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, n + 3, generator=g)
+    factor = x @ x.T
+    out = torch.empty_like(factor)
+    kronecker.inverse_root_into(out, factor, 4, 1e-12)
+    assert torch.equal(out, kronecker.inverse_root(factor, 4, 1e-12))
+    q = torch.linalg.qr(torch.randn(n, n, generator=g))[0]
+    basis, order = torch.empty_like(q), torch.empty(n, dtype=torch.int64)
+    kronecker.refresh_eigenbasis_into(basis, order, factor, q)
+    want_basis, want_order = kronecker.refresh_eigenbasis(factor, q)
+    assert torch.equal(basis, want_basis) and torch.equal(order, want_order)
+    kronecker.inverse_root_into(out, torch.full((n, n), float("nan")), 4, 1e-12)
+    assert not torch.isfinite(out).any()
+    with pytest.raises(RuntimeError, match="order must be int64"):
+        kronecker.refresh_eigenbasis_into(basis, order.int(), factor, q)
+
+
 def test_arguments_are_checked():
     m = model("single", None)
     groups = FACTORIES["shampoo"]
@@ -255,8 +278,8 @@ def _failing_job(name):
 
     import veragged.optim.soap as soap_mod
 
-    module, attr = (shampoo_mod, "inverse_root") if name == "shampoo" else (
-        soap_mod, "refresh_eigenbasis")
+    module, attr = (shampoo_mod, "inverse_root_into") if name == "shampoo" else (
+        soap_mod, "refresh_eigenbasis_into")
     real = getattr(module, attr)
     assert real is getattr(kronecker, attr)
 

@@ -20,16 +20,23 @@ With k <= f (checked) a matrix has at most one job in flight: its install (step 
 comes before the next submit, and in one step an install precedes a submit (SOAP's next job
 starts from the basis just installed).
 
-Where the work runs. Jobs are a few torch ops (eigh, pow, matmul, QR) whose kernels release the
-GIL; the Python around them is tens of microseconds per job, so Python threads are enough (the
-benchmark's f = 1, k = 1 row bounds what the GIL costs a step) and exceptions travel back in
-futures. The threads are daemon threads of our own, not a ThreadPoolExecutor's, whose exit
-handler joins running jobs: a process exits without waiting for a slow job. Each worker runs
-with the main thread's `torch.get_num_threads()` (LAPACK's results may depend on it). On a GPU
-a worker issues its job on a stream of its own after an event recorded at submit (the
-snapshot is ready), and the main stream waits on the job's completion event at install; the
-job writes its results into buffers the main thread allocated (the owner's `pending_*` state),
-so no block crosses streams in the caching allocator.
+Where the work runs. A job is one op per matrix side (`veragged::inverse_root_`,
+`veragged::refresh_eigenbasis_`: csrc/optim/roots.cpp, the same ATen calls as kronecker.py's
+Python twins, bitwise), which releases the GIL for its whole length (eigh, pow, matmul, QR), so
+a job takes the GIL for a few tens of microseconds per root of milliseconds. Python threads are
+therefore enough, and exceptions travel back in futures: benchmarks/async_precondition.py part
+3 times the most Python-bound step there is (AdamW, foreach off) beside a worker thread running
+roots back to back and beside the same roots in another process (same competition for the
+cores, no GIL shared); on the 2-core CI machine the ratio was 0.91x and 1.13x in two runs, the
+machine's own noise (+-15% between identical runs), so no GIL cost is visible at this
+resolution and no C++ thread pool was built. The threads are daemon threads of our own, not a
+ThreadPoolExecutor's, whose exit handler joins running jobs: a process exits without waiting
+for a slow job. Each worker runs with the main thread's `torch.get_num_threads()` (LAPACK's
+results may depend on it). On a GPU a worker issues its job on a stream of its own after an
+event recorded at submit (the snapshot is ready), and the main stream waits on the job's
+completion event at install; the job writes its results into buffers the main thread
+allocated (the owner's `pending_*` state), so no block crosses streams in the caching
+allocator.
 
 Errors. A job that raises (not a failed root: Shampoo keeps the previous root and counts that,
 as in the synchronous path) surfaces at its install step on every rank of the matrix's domain,
@@ -38,10 +45,13 @@ at the start of `step()` before any parameter changes: each rank knows which ins
 due install tells every rank which failed; all raise the same RuntimeError naming the
 parameter, the tile and the submit step.
 
-Checkpoints. A job's results land in owner-resident `pending_*` state (with `pending_step`,
-the submit step, 0 when none), so `state_dict()` drains the workers and DCP saves and
-reshards in-flight refreshes like any owner state; a loaded optimizer installs them at their
-step. `add_param_group` (a new plan) drains first.
+Checkpoints. A job's results land in owner-resident `pending_*` state (with `pending_step`:
+the submit step of the refresh it holds, 0 before the first), so `state_dict()` drains the
+workers and DCP saves and reshards in-flight refreshes like any owner state; a loaded optimizer
+installs them at their step (a checkpoint saved without one, by a synchronous run or with
+another staleness, resumes with the roots it holds). `add_param_group` (a new plan, which may
+move owner state) and `load_state_dict` drain first. The engine side is
+veragged/optim/refresh.py (`AsyncRefresh`).
 """
 
 from __future__ import annotations

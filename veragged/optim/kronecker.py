@@ -12,9 +12,11 @@ import torch
 __all__ = [
     "eigenbasis",
     "inverse_root",
+    "inverse_root_into",
     "project",
     "project_back",
     "refresh_eigenbasis",
+    "refresh_eigenbasis_into",
     "tiles",
 ]
 
@@ -68,6 +70,43 @@ def inverse_root(factor: torch.Tensor, root: int, epsilon: float) -> torch.Tenso
     values, vectors = torch.linalg.eigh(f)
     values = (values - values.min().clamp(max=0.0)).add(epsilon).pow(-1.0 / root)
     return ((vectors * values) @ vectors.T).to(factor.dtype)
+
+
+def inverse_root_into(out: torch.Tensor, factor: torch.Tensor, root: int,
+                      epsilon: float) -> None:
+    """out <- `inverse_root(factor, root, epsilon)` bitwise, or NaN where the
+    eigendecomposition fails, in one op (`veragged::inverse_root_`, csrc/optim/roots.cpp): a
+    background job holds the GIL once for it ([Note: asynchronous roots])."""
+    torch.ops.veragged.inverse_root_(out, factor, root, epsilon)
+
+
+def refresh_eigenbasis_into(basis: torch.Tensor, order: torch.Tensor, factor: torch.Tensor,
+                            q: torch.Tensor) -> None:
+    """basis, order <- `refresh_eigenbasis(factor, q)` bitwise, in one op
+    (`veragged::refresh_eigenbasis_`)."""
+    torch.ops.veragged.refresh_eigenbasis_(basis, order, factor, q)
+
+
+@torch.library.register_fake("veragged::inverse_root_")
+def _inverse_root_fake(out, factor, root, epsilon):
+    if root <= 0:
+        raise ValueError(f"inverse_root_: root must be > 0, got {root}")
+    if factor.ndim != 2 or factor.shape[0] != factor.shape[1]:
+        raise ValueError(f"inverse_root_: factor must be a square matrix, got "
+                         f"{list(factor.shape)}")
+    if out.shape != factor.shape:
+        raise ValueError(f"inverse_root_: out has shape {list(out.shape)} but factor has "
+                         f"{list(factor.shape)}")
+
+
+@torch.library.register_fake("veragged::refresh_eigenbasis_")
+def _refresh_eigenbasis_fake(basis, order, factor, q):
+    if factor.ndim != 2 or factor.shape != q.shape or basis.shape != q.shape:
+        raise ValueError("refresh_eigenbasis_: factor, q and basis must be the same square "
+                         f"matrix shape, got {list(factor.shape)}, {list(q.shape)} and "
+                         f"{list(basis.shape)}")
+    if order.ndim != 1 or order.shape[0] != q.shape[1] or order.dtype != torch.int64:
+        raise ValueError(f"refresh_eigenbasis_: order must be int64 of length {q.shape[1]}")
 
 
 def tiles(size: int, block: int) -> list[int]:

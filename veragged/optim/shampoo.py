@@ -11,7 +11,7 @@ import torch
 from veragged.optim.common import local
 from veragged.optim.batched import chains
 from veragged.optim.engine import Matrix, MatrixOptimizer, aligned_input
-from veragged.optim.kronecker import inverse_root, tiles
+from veragged.optim.kronecker import inverse_root_into, tiles
 from veragged.optim.refresh import AsyncRefresh
 
 __all__ = ["Shampoo"]
@@ -241,8 +241,8 @@ class Shampoo(AsyncRefresh, MatrixOptimizer):
         epsilon = group["epsilon"]
 
         def run() -> None:
-            for factor, out in zip(factors, outs):
-                _inverse_root_into(out, factor, epsilon)
+            for factor, out in zip(factors, outs):  # NaN where eigh fails: kept, counted
+                inverse_root_into(out, factor, 4, epsilon)
 
         self._submit(w.m, k, w.t, run)
         if self._roots is None:
@@ -312,14 +312,6 @@ class _Work:
 
 
 SIDES = ("left", "right")
-
-
-def _inverse_root_into(out: torch.Tensor, factor: torch.Tensor, epsilon: float) -> None:
-    """out <- (factor + epsilon I)^(-1/4), or NaN where the eigendecomposition fails."""
-    try:  # a non-finite factor fails here or gives a non-finite root
-        out.copy_(inverse_root(factor, 4, epsilon))
-    except torch.linalg.LinAlgError:
-        out.fill_(float("nan"))
 
 
 def _accumulate(factor: torch.Tensor, gram: torch.Tensor, beta2: float) -> None:

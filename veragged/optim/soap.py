@@ -10,7 +10,7 @@ import torch
 from veragged.optim.common import local
 from veragged.optim.batched import chains
 from veragged.optim.engine import Matrix, MatrixOptimizer, aligned_input
-from veragged.optim.kronecker import eigenbasis, project, project_back, refresh_eigenbasis
+from veragged.optim.kronecker import eigenbasis, project, project_back, refresh_eigenbasis_into
 from veragged.optim.refresh import AsyncRefresh
 
 __all__ = ["SOAP"]
@@ -213,9 +213,7 @@ class SOAP(AsyncRefresh, MatrixOptimizer):
         def run() -> None:
             for snapshot, out in zip(inputs, outs):
                 if snapshot is not None:
-                    basis, order = refresh_eigenbasis(*snapshot)
-                    out[0].copy_(basis)
-                    out[1].copy_(order)
+                    refresh_eigenbasis_into(*out, *snapshot)
 
         self._submit(w.m, 0, w.t, run)
         if self._roots is None:
