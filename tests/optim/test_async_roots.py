@@ -190,6 +190,34 @@ def test_root_and_basis_ops_are_their_python_twins(n):
         kronecker.refresh_eigenbasis_into(basis, order.int(), factor, q)
 
 
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_add_param_group_and_state_dict_with_jobs_in_flight(name):
+    """A new param group (a new plan) and a state_dict round trip while slow jobs run: the
+    runs stay bitwise the reference's, which does the same with its jobs done at submit."""
+    def run(reference):
+        torch.manual_seed(0)
+        first = [torch.nn.Parameter(torch.randn(s)) for s in [(12, 8), (6, 6)]]
+        later = [torch.nn.Parameter(torch.randn(9, 7))]
+        opt = (Shampoo if name == "shampoo" else SOAP)(
+            first, async_precondition=True, staleness=2, **SETTINGS[name, 3])
+        if reference:
+            opt._roots = QueueWorker()
+        else:
+            opt._roots.delay[0] = 0.02
+        g = torch.Generator().manual_seed(1)
+        for step in range(12):
+            if step == 4:  # the refresh of counter 3 (Shampoo) or 3 (SOAP) is in flight
+                opt.add_param_group({"params": later})
+            if step == 8:
+                opt.load_state_dict(opt.state_dict())
+            for p in first + (later if step >= 4 else []):
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        return [p.detach().clone() for p in first + later]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+
+
 def test_arguments_are_checked():
     m = model("single", None)
     groups = FACTORIES["shampoo"]
