@@ -22,10 +22,12 @@ POST_BACKWARD -> IDLE), always in the methods below, never elsewhere:
   module of a `fully_shard([a, b])` group whose group forward is incomplete (or that runs on
   its own, as a chunked loss calls the head) hooks its outputs too.
 - pre-backward (PRE_BACKWARD): all-gather again if resharded (within the k ranks if they
-  kept their part and the parameters did not change since); bind the gradient buffer's views
-  as `.grad` of the trainable unsharded parameters (autograd accumulates in place) and prefetch
-  the group that ran before it in forward (or the explicit `set_modules_to_backward_prefetch`).
-- post-backward (POST_BACKWARD): reduce-scatter the *whole* gradient buffer, a collective
+  kept their part and the parameters did not change since); lay out and allocate the gradient
+  buffer for what requires grad now ([Note: compacted gradients]) and prefetch the group that
+  ran before it in forward (or the explicit `set_modules_to_backward_prefetch`).
+- post-backward (POST_BACKWARD): land the gradients autograd stored on the unsharded
+  parameters in the buffer, in one launch ([Note: gradient landing]), the parameters found
+  being those this rank's backward reached; then reduce-scatter the *whole* gradient buffer, a collective
   whose shape does not depend on which parameters this rank's data reached, so ranks whose
   data used different parameters (MoE routing, conditional branches) stay in step; which
   parameters some rank reached travels inside it ([Note: unreached parameters]): a parameter
