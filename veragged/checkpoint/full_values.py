@@ -15,13 +15,12 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from veragged.placement import RaggedDTensor, distribute_tensor
 
 __all__ = [
-    "distribute_ragged", "first_ragged", "like_index", "mesh_device", "receive_from_rank0",
+    "distribute_ragged", "first_ragged", "like_index", "receive_from_rank0",
     "shard_like",
 ]
 
@@ -74,13 +73,6 @@ def like_index(tree: Any) -> dict[str, Any]:
 def first_ragged(tree: Any) -> RaggedDTensor | None:
     """The first RaggedShard DTensor among the leaves of `tree`, or None."""
     return next((v for _, v in _leaves(tree) if isinstance(v, RaggedDTensor)), None)
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device of this rank on `mesh` (the current CUDA device for a CUDA mesh)."""
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
 
 
 def shard_like(full: torch.Tensor, like: Any, path: tuple, src_data_rank: int | None) -> Any:

@@ -58,9 +58,9 @@ from veragged.checkpoint.full_values import (
     distribute_ragged,
     first_ragged,
     like_index,
-    mesh_device,
     receive_from_rank0,
 )
+from veragged.runtime.device import mesh_device
 
 __all__ = ["set_model_state_dict", "set_optimizer_state_dict", "set_state_dict"]
 

@@ -39,13 +39,12 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 from veragged.dbuffer import comms, ops
 from veragged.dbuffer.entries import Entry as _Entry, ragged_placement
 from veragged.dbuffer.grads import FLAG_ALIGN_BYTES, GradientPath
-from veragged.dbuffer.memory import (
-    ALIGN_BYTES, aligned_empty, alloc_storage, free_storage, mesh_device,
-)
+from veragged.dbuffer.memory import ALIGN_BYTES, aligned_empty, alloc_storage, free_storage
 from veragged.placement.api import distribute_tensor
 from veragged.placement.dtensor import RaggedDTensor, make_spec
 from veragged.placement.redistribute import redistribute
 from veragged.planner import plan
+from veragged.runtime.device import mesh_device
 from veragged.runtime.streams import current_stream_runtime
 
 if TYPE_CHECKING:

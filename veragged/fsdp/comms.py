@@ -11,7 +11,7 @@ from veragged.dbuffer.comms import (
     ProcessGroupAllocAllGather, ProcessGroupAllocReduceScatter, SymmMemAllGather,
     SymmMemReduceScatter,
 )
-from veragged.dbuffer.memory import mesh_device
+from veragged.runtime.device import mesh_device
 
 __all__ = [
     "check_symm_mem_buffers", "set_allocate_from_process_group", "set_custom_comm",

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from veragged.optim.pieces import domain_group
+from veragged.runtime.device import mesh_device
 
 __all__ = ["GRAD_AGREEMENTS", "GradPresence", "declare_symmetric_grads", "local", "local_grads"]
 
@@ -69,12 +70,6 @@ def check_grad_agreement(owner: str, value: str) -> str:
     if value not in GRAD_AGREEMENTS:
         raise ValueError(f"{owner}: grad_agreement must be one of {GRAD_AGREEMENTS}, got {value!r}")
     return value
-
-
-def _mesh_device(mesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
 
 
 class GradPresence:
@@ -106,7 +101,7 @@ class GradPresence:
         for group, (mesh, indices) in buckets.items():
             flags = [self._verdicts[i] for i in indices]
             mask = torch.tensor(flags, dtype=torch.uint8)
-            device = _mesh_device(mesh)
+            device = mesh_device(mesh)
             if device.type != "cpu":  # pinned, so the copy does not wait for the device
                 mask = mask.pin_memory().to(device, non_blocking=True)
             work = dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group, async_op=True)
