@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from veragged.optim.async_roots import RootWorker
+from veragged.optim.async_roots import AsyncStats, RootWorker
 from veragged.optim.common import local
 from veragged.optim.engine import Matrix
 
@@ -41,6 +41,9 @@ class AsyncRefresh:
         self.async_precondition, self.staleness = async_precondition, staleness
         self.async_workers = async_workers
         self._roots = RootWorker(async_workers) if staleness > 0 else None
+        # matrix label -> the submit step of results its pending state holds with no job (from
+        # a loaded checkpoint, or a job forgotten before a new plan): read off the step
+        self._held: dict[str, int] = {}
 
     def _check_staleness(self, group: dict) -> None:
         """staleness <= precondition_frequency: one job in flight per matrix at most."""
@@ -69,10 +72,7 @@ class AsyncRefresh:
     def async_stats(self) -> dict:
         """submitted, installed, stalls, stall_seconds, max_in_flight, max_age (this rank's
         jobs: those of the matrices it owns)."""
-        if self._roots is None:
-            return {"submitted": 0, "installed": 0, "stalls": 0, "stall_seconds": 0.0,
-                    "max_in_flight": 0, "max_age": 0}
-        return self._roots.stats.as_dict()
+        return (self._roots.stats if self._roots is not None else AsyncStats()).as_dict()
 
     def _due(self, m: Matrix, t: int) -> int | None:
         """The submit step of the refresh `m` installs at its step `t`, if any."""
@@ -87,8 +87,10 @@ class AsyncRefresh:
         if self._roots is None:
             run()
             return
-        self.owned_state(m, "pending_step").fill_(t)
-        self._roots.submit((m.label, job, t), run, self.owned_state(m, "pending_step").device)
+        pending = self.owned_state(m, "pending_step")
+        pending.fill_(t)
+        self._held.pop(m.label, None)
+        self._roots.submit((m.label, job, t), run, pending.device)
 
     def _take(self, m: Matrix, job: int, s: int, t: int) -> bool:
         """Whether job `job` of `m`'s refresh of step `s` has results to install at step `t`
@@ -99,7 +101,7 @@ class AsyncRefresh:
             return True
         # A checkpoint with the refresh in flight carries it; one saved without it (by a
         # synchronous run, or with another staleness) resumes with the roots it holds.
-        return int(self.owned_state(m, "pending_step").item()) == s
+        return self._held.get(m.label) == s
 
     def _start_step(self, grads: dict[int, torch.Tensor | None]) -> None:
         """Wait for the jobs due this step and raise a job's exception on every rank of its
@@ -156,6 +158,19 @@ class AsyncRefresh:
             for key in self._roots.in_flight():
                 self._roots.forget(key)
         super().load_state_dict(state_dict)
+        self._read_held()
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)  # a new plan: `_settle` forgot the finished jobs
+        if not self._building:
+            self._read_held()
+
+    def _read_held(self) -> None:
+        """Which refresh results the pending state holds with no job, from `pending_step`: one
+        host read per matrix this rank owns, here rather than at an install step."""
+        if self._roots is not None:
+            self._held = {m.label: int(self.owned_state(m, "pending_step").item())
+                          for m in self.matrices() if m.home is not None and m.home.here}
 
     def close(self) -> None:
         """Stop the worker threads (they never hold the process at exit either)."""
