@@ -112,6 +112,17 @@ def load_checkpoint(m, opt, path):
     set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+def step_with_reference(opt, ref, params, ref_params, steps, pattern):
+    """`steps` steps of `opt` on sharded `params` and of `ref` on full `ref_params` fed the
+    gradients a single process would see (grad presence by `present(pattern)`)."""
+    at = present(pattern)
+    for step in range(steps):
+        for p, g in zip(ref_params, set_grads(params, step, at(step))):
+            p.grad = g
+        opt.step()
+        ref.step()
+
+
 def distributed_vs_one_process(name, kind, steps, owners, pattern):
     """`name` on sharded parameters and, in the same process, on full ones with the gradients a
     single process would see; returns the largest difference per parameter and the plans."""
@@ -121,12 +132,7 @@ def distributed_vs_one_process(name, kind, steps, owners, pattern):
     ref_model = model("single", None)
     ref = make(ref_model)
     params, ref_params = list(m.parameters()), list(ref_model.parameters())
-    at = present(pattern)
-    for step in range(steps):
-        for p, g in zip(ref_params, set_grads(params, step, at(step))):
-            p.grad = g
-        opt.step()
-        ref.step()
+    step_with_reference(opt, ref, params, ref_params, steps, pattern)
     diffs = [(a - b).abs().max().item() for a, b in zip(full_values(params), ref_params)]
     plans = [(pl.owners, pl.groups, pl.ratio) for pl in opt.owner_plans]
     return diffs, plans

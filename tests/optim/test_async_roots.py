@@ -22,8 +22,8 @@ from matrix_cases import (
     full_values,
     load_checkpoint,
     model,
-    present,
     save_checkpoint,
+    step_with_reference,
 )
 
 
@@ -268,12 +268,7 @@ def _distributed(name, kind, f, k, steps, pattern, delay):
     ref_model = model("single", None)
     ref = _make(name, ref_model, f, k, reference=True)
     params, ref_params = list(m.parameters()), list(ref_model.parameters())
-    at = present(pattern)
-    for step in range(steps):
-        for p, g in zip(ref_params, set_grads(params, step, at(step))):
-            p.grad = g
-        opt.step()
-        ref.step()
+    step_with_reference(opt, ref, params, ref_params, steps, pattern)
     equal = [torch.equal(a, b) for a, b in zip(full_values(params), ref_params)]
     return equal, opt.async_stats
 

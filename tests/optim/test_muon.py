@@ -7,9 +7,8 @@ from torch.distributed.tensor import DTensor
 
 from veragged.optim import Muon
 from veragged.testing import get_mesh, run_on_ranks
-from veragged.testing.grads import set_grads
 
-from matrix_cases import CFG, present
+from matrix_cases import CFG, step_with_reference
 from matrix_cases import model as build_model
 
 
@@ -119,12 +118,7 @@ def _distributed(kind, steps, owners, pattern):
     ref_model = build_model("single", None)
     ref = Muon(_groups(ref_model), lr=0.02, weight_decay=0.1, betas=(0.9, 0.95))
     params, ref_params = list(model.parameters()), list(ref_model.parameters())
-    at = present(pattern)
-    for step in range(steps):
-        for p, g in zip(ref_params, set_grads(params, step, at(step))):
-            p.grad = g
-        opt.step()
-        ref.step()
+    step_with_reference(opt, ref, params, ref_params, steps, pattern)
     got = [p.full_tensor() if isinstance(p, DTensor) else p for p in params]
     diffs = [(a - b).abs().max().item() for a, b in zip(got, ref_params)]
     plans = [(pl.owners, pl.groups, pl.ratio) for pl in opt.owner_plans]
