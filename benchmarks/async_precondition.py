@@ -81,20 +81,19 @@ def _optimizer(kind, f, k, params):
                                **kw)
 
 
+def _optim_matrix():
+    """benchmarks/optim_matrix.py as a module (its Llama and its table printer)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "optim_matrix.py")
+    spec = importlib.util.spec_from_file_location("_optim_matrix", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _model(dim, layers):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import veragged
-    from veragged.testing.llama import Llama, LlamaConfig
-
-    cfg = LlamaConfig(vocab=256, dim=dim, layers=layers, heads=4, hidden=int(8 * dim / 3))
-    torch.manual_seed(0)
-    model = Llama(cfg)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        veragged.fully_shard(block, mesh=mesh)
-    veragged.fully_shard(model, mesh=mesh)
-    return model
+    return _optim_matrix().fully_sharded_llama(dim, layers)
 
 
 def _steps(opt, params, count, first=0):
@@ -292,9 +291,7 @@ def gil_cost(steps, rounds):
 
 
 def _print_lines(head, lines, out):
-    widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
-    for line in [head, ["-" * w for w in widths]] + lines:
-        print("  ".join(x.rjust(w) for x, w in zip(line, widths, strict=True)), file=out)
+    _optim_matrix()._print_lines(head, lines, out)
 
 
 def main(argv=None):

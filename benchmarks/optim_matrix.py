@@ -116,11 +116,12 @@ def _make_optimizer(name, model, owners):
     return veragged.optim.SOAP(groups, lr=3e-3, precondition_frequency=10, owners=owners)
 
 
-def _worker(name, mode, dim, layers, warmup, steps):
+def fully_sharded_llama(dim, layers):
+    """Part 1's Llama (hidden 8 dim / 3, 4 heads, vocab 256) under veragged.fully_shard on
+    this process group's ranks: each block, then the root."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import veragged
-    from veragged.testing.grads import set_grads
     from veragged.testing.llama import Llama, LlamaConfig
 
     cfg = LlamaConfig(vocab=256, dim=dim, layers=layers, heads=4, hidden=int(8 * dim / 3))
@@ -130,6 +131,13 @@ def _worker(name, mode, dim, layers, warmup, steps):
     for block in model.blocks:
         veragged.fully_shard(block, mesh=mesh)
     veragged.fully_shard(model, mesh=mesh)
+    return model
+
+
+def _worker(name, mode, dim, layers, warmup, steps):
+    from veragged.testing.grads import set_grads
+
+    model = fully_sharded_llama(dim, layers)
     opt = _make_optimizer(name, model, MODES[mode])
     # Time inside the owner compute (the matrix work), per step, on this rank.
     computing = [0.0]
