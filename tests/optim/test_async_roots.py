@@ -293,6 +293,20 @@ def test_distributed_async_equals_one_process_reference(name, kind, f, k, delay)
     assert {stats["max_age"] for _, stats in results} <= {0, k}
 
 
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_training_with_background_refreshes_equals_one_process(name):
+    """The user's path: real forward and backward on 4 ranks under veragged's and torch's
+    fully_shard, refreshes in the background installed a step late; each run's parameters
+    equal one process stepping on its gradients with the same staleness, bitwise."""
+    from test_shampoo_soap import _train
+
+    for kind in ("veragged", "torch"):
+        equal, _ = run_on_ranks(_train, 4, args=(name, kind, 8),
+                                kwargs=dict(async_precondition=True, staleness=1),
+                                timeout=240)[0]
+        assert all(equal), (kind, equal)
+
+
 def _failing_job(name):
     """Rank 2's jobs raise; every rank must raise the same error at the same step, before its
     parameters change."""

@@ -215,16 +215,17 @@ def test_bad_arguments_name_the_argument():
 
 
 
-def _train(name, kind, steps):
+def _train(name, kind, steps, **kw):
     """Real forward and backward on each rank's own batch under `kind`'s fully_shard; in the same
-    process, the same optimizer on a one-process copy fed the gradients the sharded run made."""
+    process, the same optimizer (keywords `kw`) on a one-process copy fed the gradients the
+    sharded run made."""
     import torch.distributed as dist
 
     from matrix_cases import CFG, FACTORIES, full_values, model
     from veragged.testing import get_mesh
 
     m, ref_model = model(kind, get_mesh()), model("single", None)
-    opt, ref = FACTORIES[name](m), FACTORIES[name](ref_model)
+    opt, ref = FACTORIES[name](m, **kw), FACTORIES[name](ref_model, **kw)
     params, ref_params = list(m.parameters()), list(ref_model.parameters())
     g = torch.Generator().manual_seed(100 + dist.get_rank())
     for _ in range(steps):
