@@ -6,7 +6,7 @@ optimizer's with a k-step delay whatever the timing, and the refresh's cost leav
 was due in.
 
 Part 1, step times. The Llama of benchmarks/optim_matrix.py under veragged.fully_shard (each
-block, then the root), synthetic gradients (veragged.testing.grads.set_grads), on 4 gloo ranks
+block, then the root), synthetic gradients (tests.harness.grads.set_grads), on 4 gloo ranks
 that share the machine's cores (there is no spare core for the workers: a job runs in the gaps
 of the ranks' steps and competes with them otherwise). The width is the first of WIDTHS at which
 a synchronous Shampoo refresh step (f = 10) costs >= 3x a plain step (measured first, printed,
@@ -43,9 +43,12 @@ import argparse
 import json
 import math
 import os
+import pathlib
 import statistics
 import sys
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root: tests.harness
 
 import torch
 import torch.distributed as dist
@@ -98,7 +101,7 @@ def _model(dim, layers):
 
 def _steps(opt, params, count, first=0):
     """The slowest rank's time of each of `count` steps."""
-    from veragged.testing.grads import set_grads
+    from tests.harness.grads import set_grads
 
     times = []
     for step in range(first, first + count):
@@ -135,7 +138,7 @@ def _config(dim, layers, name, warmup, steps):
 
 
 def step_times(widths, layers, warmup, steps):
-    from veragged.testing.pool import get_pool
+    from tests.harness.pool import get_pool
 
     pool = get_pool(WORLD, device="cpu")
     calibration = {}
@@ -177,7 +180,7 @@ def _batches(steps, vocab=64, batch=16, seq=33):
 
 
 def final_losses(steps):
-    from veragged.testing.llama import Llama, LlamaConfig
+    from veragged.models.llama import Llama, LlamaConfig
 
     cfg = LlamaConfig(vocab=64, dim=64, layers=2, heads=4, hidden=172, max_seq=33)
     out = {}
@@ -222,7 +225,7 @@ def gil_cost(steps, rounds):
 
     from veragged.optim.async_roots import RootWorker
     from veragged.optim.kronecker import inverse_root_into
-    from veragged.testing.llama import Llama, LlamaConfig
+    from veragged.models.llama import Llama, LlamaConfig
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

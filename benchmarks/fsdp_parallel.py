@@ -1,9 +1,9 @@
 """FSDP x TP and FSDP x EP: veragged.fully_shard vs torch's fully_shard, 4 gloo ranks on CPU.
 
 Layouts (world 4, fp32, each block and the root sharded, the same batches for both sides):
-  dp2xtp2  the example's Llama with q/k/v and gate/up apart (veragged.testing.llama.parallelize:
+  dp2xtp2  the example's Llama with q/k/v and gate/up apart (veragged.models.llama.parallelize:
            Megatron column/row split over tp 2), FSDP over dp 2;
-  dp2xep2  veragged.testing.moe (fused [E, ...] experts Shard(0) over ep 2, token all-to-all),
+  dp2xep2  veragged.models.moe (fused [E, ...] experts Shard(0) over ep 2, token all-to-all),
            the experts FSDP-sharded over the other 2 ranks, the dense part over all 4
            (torchtitan's dp_shard_in_ep layout).
 Each step is forward, backward, `veragged.clip_grad_norm_` (torch's refuses parameters on two
@@ -43,9 +43,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import veragged
-from veragged.testing.copies import WriteCounter
-from veragged.testing.llama import Llama, LlamaConfig, parallelize
-from veragged.testing.moe import MoE, MoEConfig, expert_parallel
+from veragged.tools.write_counter import WriteCounter
+from veragged.models.llama import Llama, LlamaConfig, parallelize
+from veragged.models.moe import MoE, MoEConfig, expert_parallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fsdp_step  # noqa: E402  (device mesh, ranks, step memory of GPU runs)

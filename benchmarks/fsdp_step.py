@@ -2,7 +2,7 @@
 
 Models (fp32 unless `--mp`; each block and the root sharded; the same batches for both, in one
 run):
-  llama   the example's Llama (veragged.testing.llama) at `--dim`/`--layers`: few, large tensors;
+  llama   the example's Llama (veragged.models.llama) at `--dim`/`--layers`: few, large tensors;
   moe     a Llama-ish stack with many small tensors (1000+ parameters by default): per layer
           two RMSNorms, q/k/v/o projections with biases, a router and `--experts` small
           two-layer expert MLPs with biases. Routing is dense (softmax weights over all
@@ -22,7 +22,7 @@ Columns (ratios are veragged / torch; below 1 is better; `-` where there is no t
   param B    bytes FSDP wrote per step on its parameter path, mean over ranks;
   grad B     bytes FSDP wrote per step on its gradient path, mean over ranks;
   FSDP ratio (param + grad) of veragged over torch's.
-Both byte columns come from one further step under `veragged.testing.copies.WriteCounter`
+Both byte columns come from one further step under `veragged.tools.write_counter.WriteCounter`
 (every op's written bytes outside collectives, attributed by `FSDPPaths`; see
 [Note: what WriteCounter counts] there for exactly what each path holds). The JSON line also
 holds `rest` (the model's own kernels, the loss, clipping and the optimizer), the
@@ -51,10 +51,13 @@ import argparse
 import datetime
 import json
 import os
+import pathlib
 import statistics
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root: tests.harness
 
 import torch
 import torch.distributed as dist
@@ -65,11 +68,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import veragged
-from veragged.testing.copies import BUCKETS, WriteCounter
-from veragged.testing.device import backend_for
-from veragged.testing.llama import Llama, LlamaConfig, RMSNorm, muon_param_groups
-from veragged.testing.multiprocess import run_on_ranks
-from veragged.testing.pool import get_pool
+from veragged.tools.write_counter import BUCKETS, WriteCounter
+from tests.harness.device import backend_for
+from veragged.models.llama import Llama, LlamaConfig, RMSNorm, muon_param_groups
+from tests.harness.multiprocess import run_on_ranks
+from tests.harness.pool import get_pool
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trace_overlap  # noqa: E402  (NCCL time hidden behind compute, GPU runs)

@@ -7,8 +7,8 @@ Python. This counts both, per phase of a step (forward, backward, clipping with 
 sides built in the same ranks with `torch.optim.AdamW` (foreach, the default):
   launches   ops that would launch a kernel on a device: every dispatched aten/veragged op
              except views, metadata changes and bare allocations (collectives apart), counted by
-             `veragged.testing.copies.LaunchCounter` below the DTensor layer (local tensors' ops);
-  fsdp       of those, the ones FSDP's own code issued (`veragged.testing.copies.FSDPPaths`:
+             `veragged.tools.write_counter.LaunchCounter` below the DTensor layer (local tensors' ops);
+  fsdp       of those, the ones FSDP's own code issued (`veragged.tools.write_counter.FSDPPaths`:
              a frame of torch's `_fully_shard` or veragged's `fsdp`/`dbuffer` on the stack);
   colls      collective calls;
   entries    calls into FSDP code from outside it (hooks torch's module and autograd machinery
@@ -36,7 +36,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fsdp_step  # noqa: E402  (the models and how both sides shard them)
 
-from veragged.testing.copies import LaunchCounter  # noqa: E402
+from veragged.tools.write_counter import LaunchCounter  # noqa: E402
 
 PHASES = ("forward", "backward", "clip", "optim")
 SIDES = ("torch", "veragged")

@@ -1,6 +1,6 @@
 """LoRA backward bytes: veragged.fully_shard vs torch's fully_shard, gloo ranks on CPU.
 
-Model: veragged.testing.llama's Llama with q/k/v apart (`fused=False`; default dim 64, 4 blocks,
+Model: veragged.models.llama's Llama with q/k/v apart (`fused=False`; default dim 64, 4 blocks,
 4 heads, SwiGLU width 170, vocab 256, fp32), PEFT-style LoRA adapters on q and v (`LoRALinear`:
 the base `nn.Linear` plus `lora_A` (dim -> r) and `lora_B` (r -> dim) Linear submodules, no bias,
 scaling alpha / r; default r 8). `lora_B` starts small and random rather than PEFT's zeros, so
@@ -29,7 +29,7 @@ After the change (if any), one more training step, then the measured one.
 Columns (per rank, one forward + backward; ratio is veragged / torch, below 1 is better):
   RS B       bytes of backward's reduce-scatters: per call the larger of its input and output,
              i.e. the unsharded gradient buffer it scatters (`WriteCounter.collective_bytes`,
-             see [Note: what WriteCounter counts] in veragged/testing/copies.py);
+             see [Note: what WriteCounter counts] in veragged/tools/write_counter.py);
   AR B       bytes of backward's all-reduces (HSDP only; 0 on this 1-D mesh);
   grad buf   the largest gradient buffer one reduce-scatter scatters: the input tensor of the
              largest reduce-scatter call, counted the same way on both sides (veragged: one
@@ -58,8 +58,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import pathlib
 import subprocess
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root: tests.harness
 
 import torch
 import torch.distributed as dist
@@ -69,9 +72,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 import veragged
-from veragged.testing.copies import WriteCounter
-from veragged.testing.llama import Llama, LlamaConfig
-from veragged.testing.pool import get_pool
+from veragged.tools.write_counter import WriteCounter
+from veragged.models.llama import Llama, LlamaConfig
+from tests.harness.pool import get_pool
 
 BATCH, SEQ, VOCAB = 2, 32, 256
 SCENARIOS = ("lora", "lora_all_grads", "unfreeze_after", "freeze_after")

@@ -191,7 +191,7 @@ def main(argv=None):
     if args.world == 1:
         rows = _single(args.n, args.reps, args.rounds, args.only, args.clock)
     else:
-        from veragged.testing import run_on_ranks
+        from tests.harness import run_on_ranks
 
         job = (args.n, args.reps, args.rounds, args.only, args.clock)
         rows = run_on_ranks(_worker, args.world, args=job, timeout=3600)[0]

@@ -23,7 +23,7 @@ import torch
 
 import veragged  # noqa: F401  (loads the kernels)
 from veragged.optim.adamw8bit import AdamW8bit
-from veragged.testing.llama import Llama, LlamaConfig
+from veragged.models.llama import Llama, LlamaConfig
 
 SIZES = {"tiny": (128, 2), "small": (256, 4), "medium": (512, 4)}
 QUICK_SIZES = {"tiny": (64, 2)}

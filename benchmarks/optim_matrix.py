@@ -2,7 +2,7 @@
 plan's load balance on the Qwen3 family at DP 16-128 under each optimizer's cost model.
 
 Part 1, step time. The example's Llama under veragged.fully_shard (each block, then the root),
-synthetic gradients (veragged.testing.grads.set_grads), the same param groups in every mode: one
+synthetic gradients (tests.harness.grads.set_grads), the same param groups in every mode: one
 per transformer block, plus one for the embedding, output head and final norm marked non-matrix
 (Muon `use_muon=False`, Shampoo and SOAP `precondition=False`, so they step elementwise). Modes:
 
@@ -41,19 +41,19 @@ Target for lpt: ratio <= 1.05 wherever the bound allows it, equal to the bound e
 where lpt is above both 1.05 and `bound` but equal to `tight` is optimal ("@tight"): no plan does
 better on those shapes.
 
-Part 3, MoE. Muon on veragged.testing.moe's MoE (16 experts per layer, [E, dim, hidden] stacks,
+Part 3, MoE. Muon on veragged.models.moe's MoE (16 experts per layer, [E, dim, hidden] stacks,
 each expert one matrix: [Note: matrices of a stack]) under veragged.fully_shard with experts
 planned whole (granularity: one expert), owners "local" (locality-aware: an expert is computed
 on the rank that holds it), "lpt", "layer" and "replicated" (SC), synthetic gradients. Columns:
 the median step time of the slowest rank, the bytes every rank received from the others in the
-step's all-to-alls and all-gathers (`veragged.testing.traffic.PeerTraffic`, summed over ranks),
+step's all-to-alls and all-gathers (`veragged.tools.peer_traffic.PeerTraffic`, summed over ranks),
 the expert elements the plan sends to their owners, and the plan's max/mean load. Target: local
 sends <= 0.2x lpt's bytes and is no slower than lpt.
 
 Part 4, batched owner compute ([Note: batched owner products]). The MoE of part 3 in one
 process (an owner's work: every matrix whole), each optimizer with its part-1 settings, twice:
 same-shape products batched where a probe found that bitwise, and `batched.one_by_one()`.
-Columns: the median step time, the launches of one step (veragged.testing.copies.LaunchCounter:
+Columns: the median step time, the launches of one step (veragged.tools.write_counter.LaunchCounter:
 every dispatched op but views and allocations), the matrix products among them (mm, addmm, bmm,
 baddbmm) and whether the two runs' parameters are bitwise equal after the steps. On a GPU the
 launch count is what a step of many small matrices is bound by; on 2 CPU cores the time moves
@@ -71,9 +71,12 @@ import contextlib
 import json
 import math
 import os
+import pathlib
 import statistics
 import sys
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root: tests.harness
 
 import torch
 import torch.distributed as dist
@@ -122,7 +125,7 @@ def fully_sharded_llama(dim, layers):
     from torch.distributed.device_mesh import init_device_mesh
 
     import veragged
-    from veragged.testing.llama import Llama, LlamaConfig
+    from veragged.models.llama import Llama, LlamaConfig
 
     cfg = LlamaConfig(vocab=256, dim=dim, layers=layers, heads=4, hidden=int(8 * dim / 3))
     torch.manual_seed(0)
@@ -135,7 +138,7 @@ def fully_sharded_llama(dim, layers):
 
 
 def _worker(name, mode, dim, layers, warmup, steps):
-    from veragged.testing.grads import set_grads
+    from tests.harness.grads import set_grads
 
     model = fully_sharded_llama(dim, layers)
     opt = _make_optimizer(name, model, MODES[mode])
@@ -178,7 +181,7 @@ def _worker(name, mode, dim, layers, warmup, steps):
 def step_times(dim, layers, step_counts):
     """Every optimizer and mode on one pool of WORLD ranks (started once; each run builds its
     own model and optimizer)."""
-    from veragged.testing.pool import get_pool
+    from tests.harness.pool import get_pool
 
     pool = get_pool(WORLD, device="cpu")
     rows = {}
@@ -208,9 +211,9 @@ def _moe_worker(mode, spec, warmup, steps):
     from torch.distributed.device_mesh import init_device_mesh
 
     import veragged
-    from veragged.testing.grads import set_grads
-    from veragged.testing.moe import MoE, MoEConfig
-    from veragged.testing.traffic import PeerTraffic
+    from tests.harness.grads import set_grads
+    from veragged.models.moe import MoE, MoEConfig
+    from veragged.tools.peer_traffic import PeerTraffic
 
     cfg = MoEConfig(vocab=256, dim=spec["dim"], layers=spec["layers"], heads=4,
                     experts=spec["experts"], top_k=2, hidden=spec["hidden"])
@@ -261,7 +264,7 @@ def _moe_worker(mode, spec, warmup, steps):
 
 
 def moe_step_times(spec, step_counts):
-    from veragged.testing.pool import get_pool
+    from tests.harness.pool import get_pool
 
     pool = get_pool(WORLD, device="cpu")
     warmup, steps = step_counts
@@ -298,9 +301,9 @@ BATCH_STEPS, QUICK_BATCH_STEPS = 6, 2
 def batched_compute(spec, steps):
     """Part 4: each optimizer on the plain MoE, batched and one by one, in this process."""
     from veragged.optim import batched
-    from veragged.testing.copies import LaunchCounter
-    from veragged.testing.grads import set_grads
-    from veragged.testing.moe import MoE, MoEConfig
+    from veragged.tools.write_counter import LaunchCounter
+    from tests.harness.grads import set_grads
+    from veragged.models.moe import MoE, MoEConfig
 
     cfg = MoEConfig(vocab=256, dim=spec["dim"], layers=spec["layers"], heads=4,
                     experts=spec["experts"], top_k=2, hidden=spec["hidden"])

@@ -14,17 +14,20 @@ micro-groups, and the plan's max/mean load. Prints a table and one JSON line.
 
 import argparse
 import json
+import pathlib
 import statistics
 import sys
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root: tests.harness
 
 import torch
 import torch.distributed as dist
 
 import veragged
-from veragged.testing import get_mesh, run_on_ranks
-from veragged.testing.grads import set_grads
-from veragged.testing.llama import Llama, LlamaConfig, muon_param_groups
+from tests.harness import get_mesh, run_on_ranks
+from tests.harness.grads import set_grads
+from veragged.models.llama import Llama, LlamaConfig, muon_param_groups
 
 WORLD = 4
 SIZES = {"small": (256, 4), "medium": (512, 4)}

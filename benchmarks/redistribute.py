@@ -21,10 +21,13 @@ times, are the point. Prints a table and one JSON line; `--json` prints only the
 
 import argparse
 import json
+import pathlib
 import statistics
 import sys
 import time
 from functools import partial
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root: tests.harness
 
 import torch
 import torch.distributed as dist
@@ -32,7 +35,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import veragged
 from veragged import RaggedShard
-from veragged.testing import get_mesh, run_on_ranks
+from tests.harness import get_mesh, run_on_ranks
 
 WORLD = 4
 # name: shape (rows x hidden); dim 0 not a multiple of 4 in some, as in real vocabularies/MLPs.

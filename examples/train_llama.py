@@ -14,7 +14,7 @@ saved with torch.distributed.checkpoint, and a later run with more `--steps` loa
 
 `--tp N` splits q, k, v, gate and up by columns and out and down by rows over N ranks
 (`parallelize_module`), FSDP over the other world / N; `--ep N` trains the mixture-of-experts
-variant (veragged.testing.moe), its fused experts split over N ranks with tokens routed by
+variant (veragged.models.moe), its fused experts split over N ranks with tokens routed by
 all-to-all, FSDP over the rest (torchtitan's dp_shard_in_ep layout). A checkpoint resumes under
 another split of the same model (`--tp 2` into `--tp 4`, `--ep 2` into `--ep 4`, any world size);
 `--tp` models keep q, k, v (and gate, up) apart, so they and the fused `--tp 1` model differ.
@@ -34,8 +34,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import veragged
-from veragged.testing.llama import Llama, LlamaConfig, parallelize
-from veragged.testing.moe import MoE, MoEConfig, expert_parallel
+from veragged.models.llama import Llama, LlamaConfig, parallelize
+from veragged.models.moe import MoE, MoEConfig, expert_parallel
 
 
 def parse_args():

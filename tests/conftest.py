@@ -1,4 +1,4 @@
-"""The suite's device: `VERAGGED_TEST_DEVICE=cpu` (default) or `cuda` (veragged.testing.device).
+"""The suite's device: `VERAGGED_TEST_DEVICE=cpu` (default) or `cuda` (tests.harness.device).
 
 On `cuda` the ranks of every pool run on GPUs with NCCL, and this process makes new tensors on
 GPU 0. Tests that only make sense on the CPU say why here (`CPU_ONLY`, by path) or with
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from veragged.testing.device import ENV, test_device
+from tests.harness.device import ENV, test_device
 
 # Path (relative to tests/, a prefix) -> why it only makes sense on the CPU.
 CPU_ONLY = {

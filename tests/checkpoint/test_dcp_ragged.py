@@ -15,7 +15,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import veragged
 from veragged import RaggedShard
-from veragged.testing import get_mesh, run_on_ranks
+from tests.harness import get_mesh, run_on_ranks
 
 SHAPES = {"a": (7, 13), "b": (3, 4, 5), "c": (18, 5), "root": (5, 3), "d": (18, 5)}
 

@@ -15,7 +15,7 @@ loaded with `torch.distributed.checkpoint` unchanged: (dp 2, tp 2) -> (2, 2) wit
 (4, 1), (1, 2) on two of the four ranks, plain tensors without a process group, and back; torch's
 `fully_shard` + `parallelize_module` checkpoints into these layouts and back; HSDP x TP on 8
 ranks. Every value is compared bitwise with the full tensor it was made from. The ranks are
-rank pools (veragged.testing.pool), one per world size, reused by every test here.
+rank pools (tests.harness.pool), one per world size, reused by every test here.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import veragged
 from veragged import RaggedShard, StridedRaggedShard
-from veragged.testing.device import mesh_device
-from veragged.testing.pool import get_pool
+from tests.harness.device import rank_device_type
+from tests.harness.pool import get_pool
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -126,7 +126,7 @@ def _mesh(shape: tuple[int, ...]) -> tuple[DeviceMesh, object]:
     """
     names = ("rep", "dp", "tp")[-len(shape):]
     if math.prod(shape) == dist.get_world_size():
-        mesh, group = init_device_mesh(mesh_device(), shape, mesh_dim_names=names), None
+        mesh, group = init_device_mesh(rank_device_type(), shape, mesh_dim_names=names), None
     else:  # every rank joins the process groups' creation; only members use them
         ranks = list(range(math.prod(shape)))
         mesh = DeviceMesh("cpu", torch.arange(len(ranks)).view(shape), mesh_dim_names=names)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 import veragged
 import veragged.checkpoint as vcp
-from veragged.testing.pool import get_pool
+from tests.harness.pool import get_pool
 
 TIMEOUT_S = 120
 IMPLS = ("torch", "veragged")

@@ -41,9 +41,9 @@ import veragged
 from veragged.optim import adamw8bit_granularity
 from veragged.placement import RaggedShard, StridedRaggedShard
 from veragged.placement.collectives import alive
-from veragged.testing.device import mesh_device
-from veragged.testing.llama import Llama, LlamaConfig, muon_param_groups, parallelize
-from veragged.testing.pool import get_pool
+from tests.harness.device import rank_device_type
+from veragged.models.llama import Llama, LlamaConfig, muon_param_groups, parallelize
+from tests.harness.pool import get_pool
 
 TIMEOUT_S = 120
 IMPLS = {"torch": torch_fully_shard, "veragged": veragged.fully_shard}
@@ -67,13 +67,13 @@ def _meshes(layout: str):
     if cached is not None and _live(cached[0]):  # the pool ends a job's groups
         return cached
     if layout == "tp":
-        mesh = init_device_mesh(mesh_device(), (2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(rank_device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
         made = (mesh, mesh["dp"], mesh.get_coordinate()[0])
     elif layout == "hsdp":
-        mesh = init_device_mesh(mesh_device(), (2, 2), mesh_dim_names=("rep", "shard"))
+        mesh = init_device_mesh(rank_device_type(), (2, 2), mesh_dim_names=("rep", "shard"))
         made = (mesh, mesh, dist.get_rank())
     else:
-        mesh = init_device_mesh(mesh_device(), (2,))
+        mesh = init_device_mesh(rank_device_type(), (2,))
         made = (mesh, mesh, dist.get_rank())
     _MESHES[layout] = made
     return made
@@ -511,7 +511,7 @@ def _direct_calls() -> dict:
     import veragged.checkpoint.torch_entry_points as routing
 
     rank = dist.get_rank()
-    mesh = init_device_mesh(mesh_device(), (2,))
+    mesh = init_device_mesh(rank_device_type(), (2,))
     mine = torch.arange(48.0).view(12, 4) + 100 * rank  # each rank's own data
     out = {}
     with veragged.route_torch_entry_points():
@@ -612,7 +612,7 @@ def _rank0_broadcast_meta_device_init(impl: str) -> dict:
         torch.manual_seed(42)
         ref_model = Transformer(model_args)
         full_sd = ref_model.state_dict()
-    fsdp_mesh = init_device_mesh(mesh_device(), (dist.get_world_size(),))
+    fsdp_mesh = init_device_mesh(rank_device_type(), (dist.get_world_size(),))
     with torch.device("meta"):
         model = Transformer(model_args)
     for module in model.modules():

@@ -39,9 +39,9 @@ from torch.distributed.tensor import Replicate, Shard
 
 import veragged
 from veragged import RaggedShard
-from veragged.testing import get_mesh
-from veragged.testing.cases import assert_cases, check, run_cases, run_groups
-from veragged.testing.device import mesh_device
+from tests.harness import get_mesh
+from tests.harness.cases import assert_cases, check, run_cases, run_groups
+from tests.harness.device import rank_device_type
 
 WORLD = 4
 
@@ -141,7 +141,7 @@ def _name(config, shape):
 
 def _ranks(root):
     mesh = get_mesh()
-    mesh2 = init_device_mesh(mesh_device(), (2, 2), mesh_dim_names=("fsdp", "tp"))
+    mesh2 = init_device_mesh(rank_device_type(), (2, 2), mesh_dim_names=("fsdp", "tp"))
     groups = {}
     # TestRaggedShardSaveLoad: world 4, 1-D mesh, units as they are.
     cases = []

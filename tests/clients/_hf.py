@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from veragged.testing.device import mesh_device
+from tests.harness.device import rank_device_type
 
 CASES = ("llama_lora", "qwen3_moe")
 VOCAB, SEQ, BATCH = 512, 16, 2
@@ -97,7 +97,7 @@ def _run(fully_shard, case: str, steps: int) -> dict:
     full_sd = {k: v.clone() for k, v in reference.state_dict().items()}
     del reference
 
-    mesh = init_device_mesh(mesh_device(), (world,))
+    mesh = init_device_mesh(rank_device_type(), (world,))
     torch.manual_seed(1 + rank)  # whatever init_weights draws is overwritten below
     model = _build(case, "meta")
     for layer in _layers(model):
@@ -139,7 +139,7 @@ def run_muon(case: str = "qwen3_moe", steps: int = 3) -> dict:
     full_sd = {k: v.clone() for k, v in reference.state_dict().items()}
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(mesh_device(), (world,))
+    mesh = init_device_mesh(rank_device_type(), (world,))
     model = _build(case, "cpu")
     model.load_state_dict(full_sd)
 

@@ -1,4 +1,4 @@
-"""Rank pools for the client tests, kept apart from the shared ones of veragged.testing.pool.
+"""Rank pools for the client tests, kept apart from the shared ones of tests.harness.pool.
 
 The client jobs import transformers, PEFT, accelerate or torchtitan into their ranks (seconds
 each) and leave module-level state behind (torchtitan's CPU device choice, stand-in modules it
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import atexit
 
-from veragged.testing.pool import RankPool
+from tests.harness.pool import RankPool
 
 _POOLS: dict[int, RankPool] = {}
 

@@ -148,7 +148,7 @@ def run(impl: str, steps: int = 3) -> dict:
 
 
 def main(out: str) -> None:
-    from veragged.testing.pool import RankPool
+    from tests.harness.pool import RankPool
 
     pool = RankPool(2, timeout_s=300)
     results = {}

@@ -14,8 +14,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import veragged
-from veragged.testing import run_on_ranks
-from veragged.testing.device import backend_for
+from tests.harness import run_on_ranks
+from tests.harness.device import backend_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (scripts/gpu_check.sh)")

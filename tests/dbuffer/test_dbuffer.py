@@ -5,8 +5,8 @@ import torch.distributed as dist
 
 from veragged.dbuffer.buffer import ALIGN_BYTES, DBuffer
 from veragged.placement.dtensor import RaggedDTensor
-from veragged.testing import get_mesh, run_on_ranks
-from veragged.testing.copies import CopyCounter
+from tests.harness import get_mesh, run_on_ranks
+from veragged.tools.write_counter import CopyCounter
 
 # Element-wise, 16-row blocks, whole-tensor, uneven rows (18 over 4 ranks), a 3-element bias.
 SHAPES = [

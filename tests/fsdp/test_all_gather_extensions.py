@@ -22,8 +22,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from tests.fsdp.test_lifecycle import IMPLS, _full
-from veragged.testing.device import mesh_device
-from veragged.testing.pool import get_pool
+from tests.harness.device import rank_device_type
+from tests.harness.pool import get_pool
 
 CALLS = {"pre": 0, "post": 0, "post_out": 0}
 
@@ -140,7 +140,7 @@ def _train(impl, kind, how, dims, mesh_shape, mixed, no_sync):
         for block in model:
             block[0].weight = nn.Parameter(cls(block[0].weight.detach().clone()))
     names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
-    mesh = init_device_mesh(mesh_device(), mesh_shape, mesh_dim_names=names)
+    mesh = init_device_mesh(rank_device_type(), mesh_shape, mesh_dim_names=names)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if mixed else None)
     fs = IMPLS[impl]
     for block in model:

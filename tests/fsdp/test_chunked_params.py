@@ -24,8 +24,8 @@ from tests.fsdp.test_lifecycle import (
     _params,
     _same,
 )
-from veragged.testing.device import mesh_device
-from veragged.testing.pool import get_pool
+from tests.harness.device import rank_device_type
+from tests.harness.pool import get_pool
 
 
 def _dim1_for_matrices(p: nn.Parameter):
@@ -36,7 +36,7 @@ def _train(impl, mesh_shape, mixed, k, no_sync):
     torch.manual_seed(0)
     model = Net()
     names = ("replicate", "shard") if len(mesh_shape) == 2 else None
-    mesh = init_device_mesh(mesh_device(), mesh_shape, mesh_dim_names=names)
+    mesh = init_device_mesh(rank_device_type(), mesh_shape, mesh_dim_names=names)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if mixed else MixedPrecisionPolicy())
     kw = dict(mesh=mesh, shard_placement_fn=_dim1_for_matrices, mp_policy=mp,

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import veragged
 from tests.fsdp._reference import Block
-from veragged.testing import get_mesh, run_on_ranks
+from tests.harness import get_mesh, run_on_ranks
 
 IMPLS = {"torch": torch_fully_shard, "veragged": veragged.fully_shard}
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from veragged.testing.pool import get_pool
+from tests.harness.pool import get_pool
 
 from tests.fsdp.test_chunked_params import _dim1_for_matrices
 from tests.fsdp.test_lifecycle import IMPLS, Net, _data, _grads, _params, _same

@@ -37,8 +37,8 @@ import veragged
 from tests.fsdp._reference import Block
 from veragged.dbuffer import comms as dbuffer_comms
 from veragged.fsdp import comms as fsdp_comms
-from veragged.testing import get_mesh, run_on_ranks
-from veragged.testing.device import mesh_device
+from tests.harness import get_mesh, run_on_ranks
+from tests.harness.device import rank_device_type
 
 # torch 2.11 has no set_separate_reduce_scatter_group (its side then runs on the shared group:
 # the same sums) and no ShardPlacementResult (the two-mesh errors are then not compared).
@@ -385,8 +385,8 @@ def _errors(impl: str):
            lambda: model.set_allocate_memory_from_process_group_for_comm(False))
     # parameters on two meshes in one call: which mesh's comm would it be?
     world = dist.get_world_size()
-    dense = init_device_mesh(mesh_device(), (world,))
-    other = init_device_mesh(mesh_device(), (world, 1), mesh_dim_names=("a", "b"))["b"]
+    dense = init_device_mesh(rank_device_type(), (world,))
+    other = init_device_mesh(rank_device_type(), (world, 1), mesh_dim_names=("a", "b"))["b"]
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_common import (
             FSDPMeshInfo,

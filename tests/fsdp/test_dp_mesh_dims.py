@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from tests.fsdp.test_lifecycle import IMPLS
-from veragged.testing.device import mesh_device
-from veragged.testing.pool import get_pool
+from tests.harness.device import rank_device_type
+from tests.harness.pool import get_pool
 
 fsdp = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common")
 if not hasattr(fsdp, "ShardPlacementResult"):
@@ -55,9 +55,9 @@ def _full(p):
 def _train_full_mesh(impl: str, tp: bool, steps: int = 4):
     world = dist.get_world_size()
     if tp:
-        mesh = init_device_mesh(mesh_device(), (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
+        mesh = init_device_mesh(rank_device_type(), (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
     else:
-        mesh = init_device_mesh(mesh_device(), (world,), mesh_dim_names=("dp_shard",))
+        mesh = init_device_mesh(rank_device_type(), (world,), mesh_dim_names=("dp_shard",))
     torch.manual_seed(0)
     model = MLP()
     for name, mod in list(model.named_modules()):
@@ -104,7 +104,7 @@ def test_dp_mesh_dims_matches_torch(tp):
 
 def _forward_sees_full_mesh_dtensors():
     """The unsharded parameters in forward are DTensors on the full mesh, Replicate on dp."""
-    mesh = init_device_mesh(mesh_device(), (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    mesh = init_device_mesh(rank_device_type(), (2, 2), mesh_dim_names=("dp_shard", "tp"))
     torch.manual_seed(0)
     lin = nn.Linear(8, 4)
     lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh,
@@ -140,8 +140,8 @@ class TwoMeshModel(nn.Module):
 
 def _train_two_meshes(impl: str, steps: int = 4):
     world, rank = dist.get_world_size(), dist.get_rank()
-    dense_mesh = init_device_mesh(mesh_device(), (world,), mesh_dim_names=("dp",))
-    sparse = init_device_mesh(mesh_device(), (world // 2, 2), mesh_dim_names=("efsdp", "ep"))
+    dense_mesh = init_device_mesh(rank_device_type(), (world,), mesh_dim_names=("dp",))
+    sparse = init_device_mesh(rank_device_type(), (world // 2, 2), mesh_dim_names=("efsdp", "ep"))
     dense_info = FSDPMeshInfo(dense_mesh, shard_mesh_dim=0)
     expert_info = FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0)
     torch.manual_seed(0)
@@ -181,7 +181,7 @@ def test_shard_placement_result_meshes_per_parameter():
 
 
 def _errors():
-    mesh = init_device_mesh(mesh_device(), (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    mesh = init_device_mesh(rank_device_type(), (2, 2), mesh_dim_names=("dp_shard", "tp"))
     out = []
 
     def catch(fn):
@@ -238,9 +238,9 @@ def _ddp_model(impl: str, tp: bool, seed: int = 0, mesh=None, **kwargs):
     if mesh is not None:
         pass
     elif tp:
-        mesh = init_device_mesh(mesh_device(), (world // 2, 2), mesh_dim_names=("ddp", "tp"))
+        mesh = init_device_mesh(rank_device_type(), (world // 2, 2), mesh_dim_names=("ddp", "tp"))
     else:
-        mesh = init_device_mesh(mesh_device(), (world,), mesh_dim_names=("ddp",))
+        mesh = init_device_mesh(rank_device_type(), (world,), mesh_dim_names=("ddp",))
     torch.manual_seed(seed)
     model = MLP()
     for name, mod in list(model.named_modules()):
@@ -392,7 +392,7 @@ def test_ddp_mode_gradient_accumulation_matches_torch(mode):
 
 def _train_ddp_two_dims(impl: str, steps: int = 3):
     """DDP mode over two replicate dims of a 2x2 mesh (flattened into one, as torch)."""
-    mesh = init_device_mesh(mesh_device(), (2, 2), mesh_dim_names=("a", "b"))
+    mesh = init_device_mesh(rank_device_type(), (2, 2), mesh_dim_names=("a", "b"))
     torch.manual_seed(0)
     model = MLP()
     for mod in model.layers:

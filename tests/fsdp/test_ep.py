@@ -1,5 +1,5 @@
 """`fully_shard` with expert parallelism (torchtitan's dp_shard_in_ep layout): the fused experts
-of veragged.testing.moe sharded `Shard(0)` over the ep mesh dim, FSDP over the rest, tokens routed
+of veragged.models.moe sharded `Shard(0)` over the ep mesh dim, FSDP over the rest, tokens routed
 by all-to-all. veragged against torch's FSDP2 in the same layout and against one process."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from tests.fsdp._reference import one_process
 from tests.fsdp._reference import optimizer as _optimizer
 from tests.fsdp.test_lifecycle import IMPLS, TORCH_HAS_UNUSED_PARAMS_MODE, _same
 from veragged.placement import StridedRaggedShard
-from veragged.testing.device import mesh_device
-from veragged.testing.moe import MoE, MoEConfig, expert_parallel
-from veragged.testing.pool import get_pool
+from tests.harness.device import rank_device_type
+from veragged.models.moe import MoE, MoEConfig, expert_parallel
+from tests.harness.pool import get_pool
 
 CFG = MoEConfig(experts=4, top_k=2)
 
@@ -30,7 +30,7 @@ def _tokens(step: int, rank: int) -> torch.Tensor:
 def _shard_moe(impl, cfg, ep, chunk_experts=False, unused_params=False):
     """`cfg`'s MoE under `impl`'s fully_shard in torchtitan's dp_shard_in_ep layout."""
     world = dist.get_world_size()
-    mesh = init_device_mesh(mesh_device(), (world // ep, ep), mesh_dim_names=("dp_mod_ep", "ep"))
+    mesh = init_device_mesh(rank_device_type(), (world // ep, ep), mesh_dim_names=("dp_mod_ep", "ep"))
     dp = mesh._flatten("dp")
     torch.manual_seed(0)
     model = MoE(cfg)

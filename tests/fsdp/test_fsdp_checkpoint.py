@@ -7,8 +7,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 import veragged
-from veragged.testing import get_mesh, run_on_ranks
-from veragged.testing.llama import Llama, LlamaConfig
+from tests.harness import get_mesh, run_on_ranks
+from veragged.models.llama import Llama, LlamaConfig
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, hidden=86, max_seq=9)
 

@@ -7,8 +7,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 import veragged
-from veragged.testing import get_mesh, run_on_ranks
-from veragged.testing.llama import Llama, LlamaConfig
+from tests.harness import get_mesh, run_on_ranks
+from veragged.models.llama import Llama, LlamaConfig
 
 CFG = LlamaConfig(vocab=96, dim=32, layers=2, heads=4, hidden=86, max_seq=17)
 MICRO, SEQ = 2, 17
@@ -113,7 +113,7 @@ def test_variants_match_one_process(options):
 
 def _copies_per_step(kind):
     """Bytes copied outside collectives by one training step, minus those of the model itself."""
-    from veragged.testing.copies import CopyCounter
+    from veragged.tools.write_counter import CopyCounter
 
     mesh, rank = get_mesh(), dist.get_rank()
     torch.manual_seed(0)

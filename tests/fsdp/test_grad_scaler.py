@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import veragged
-from veragged.testing import get_mesh, run_on_ranks
+from tests.harness import get_mesh, run_on_ranks
 
 
 class Net(nn.Module):

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 import veragged
-from veragged.testing.pool import get_pool
+from tests.harness.pool import get_pool
 
 IMPLS = {"torch": torch_fully_shard, "veragged": veragged.fully_shard}
 

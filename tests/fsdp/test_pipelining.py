@@ -21,8 +21,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 
 import veragged
-from veragged.testing.device import mesh_device
-from veragged.testing.pool import get_pool
+from tests.harness.device import rank_device_type
+from tests.harness.pool import get_pool
 
 pytestmark = pytest.mark.skipif(
     not hasattr(TorchFSDPModule, "finalize_backward"),
@@ -41,7 +41,7 @@ def _stage_module(stage: int) -> nn.Sequential:
 
 
 def _pipeline(impl: str, schedule_cls) -> dict:
-    mesh = init_device_mesh(mesh_device(), (2, 2), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh(rank_device_type(), (2, 2), mesh_dim_names=("pp", "dp"))
     stage = mesh["pp"].get_local_rank()
     module = _stage_module(stage)
     for layer in module:

@@ -1,6 +1,6 @@
 """Data-dependent routing through a whole training step under veragged's fully_shard.
 
-Each of 4 ranks runs its own subset of experts (veragged/testing/routing.py): on every step some
+Each of 4 ranks runs its own subset of experts (tests/harness/routing.py): on every step some
 experts are reached by some ranks only, one by none, and one rank runs none; each expert tensor
 lies whole on one rank, so ranks hold no element of most experts, reached by them or not, and the
 input layer's weight crosses three ranks' slots. Forward, backward, torch's `clip_grad_norm_` or
@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-from veragged.testing import routing
-from veragged.testing.device import mesh_device
-from veragged.testing.pool import get_pool
+from tests.harness import routing
+from tests.harness.device import rank_device_type
+from tests.harness.pool import get_pool
 
 WORLD, STEPS = 4, 3
 TORCH_HAS_UNUSED_PARAMS_MODE = hasattr(TorchFSDPModule, "set_reduce_scatter_unused_params")
@@ -38,9 +38,9 @@ TORCH_HAS_UNUSED_PARAMS_MODE = hasattr(TorchFSDPModule, "set_reduce_scatter_unus
 
 def _mesh(hsdp: bool):
     if hsdp:
-        return init_device_mesh(mesh_device(), (2, WORLD // 2),
+        return init_device_mesh(rank_device_type(), (2, WORLD // 2),
                                 mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(mesh_device(), (WORLD,))
+    return init_device_mesh(rank_device_type(), (WORLD,))
 
 
 def _coverage(model) -> dict:

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
 
 import veragged
-from veragged.testing.pool import get_pool
+from tests.harness.pool import get_pool
 
 IMPLS = {"torch": torch_fully_shard, "veragged": veragged.fully_shard}
 

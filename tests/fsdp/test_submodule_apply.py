@@ -10,8 +10,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tests.fsdp.test_lifecycle import IMPLS
-from veragged.testing.device import mesh_device
-from veragged.testing.pool import get_pool
+from tests.harness.device import rank_device_type
+from tests.harness.pool import get_pool
 
 
 class LoRALinear(nn.Module):
@@ -36,7 +36,7 @@ class Block(nn.Module):
 
 
 def _run(impl: str, steps: int = 3):
-    mesh = init_device_mesh(mesh_device(), (dist.get_world_size(),))
+    mesh = init_device_mesh(rank_device_type(), (dist.get_world_size(),))
     torch.manual_seed(0)
     model = Block()
     IMPLS[impl](model.attn, mesh=mesh)

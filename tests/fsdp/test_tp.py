@@ -22,16 +22,16 @@ from tests.fsdp._reference import one_process
 from tests.fsdp._reference import optimizer as _optimizer
 from tests.fsdp.test_lifecycle import IMPLS, _same
 from veragged.placement import RaggedShard, StridedRaggedShard
-from veragged.testing.device import mesh_device
-from veragged.testing.llama import Llama, LlamaConfig, parallelize
-from veragged.testing.pool import get_pool
+from tests.harness.device import rank_device_type
+from veragged.models.llama import Llama, LlamaConfig, parallelize
+from tests.harness.pool import get_pool
 
 CFG = LlamaConfig(fused=False, layers=2, hidden=96)
 _NAMES = {2: ("dp", "tp"), 3: ("dp_replicate", "dp_shard", "tp")}
 
 
 def _meshes(mesh_shape):
-    mesh = init_device_mesh(mesh_device(), mesh_shape, mesh_dim_names=_NAMES[len(mesh_shape)])
+    mesh = init_device_mesh(rank_device_type(), mesh_shape, mesh_dim_names=_NAMES[len(mesh_shape)])
     dp = mesh["dp"] if len(mesh_shape) == 2 else mesh["dp_replicate", "dp_shard"]
     return mesh, dp, mesh["tp"]
 
@@ -315,7 +315,7 @@ def test_dcp_round_trips_with_torch_fsdp_tp(direction):
 
 def _bad_inputs():
     mesh, dp, tp = _meshes((2, 2))
-    whole = init_device_mesh(mesh_device(), (4,), mesh_dim_names=("w",))
+    whole = init_device_mesh(rank_device_type(), (4,), mesh_dim_names=("w",))
     msgs = []
 
     def expect(exc, fn):
@@ -418,7 +418,7 @@ def test_clip_grad_norm_across_dp_and_tp_meshes(norm_type):
 
 def _make_opt(name, params_or_model):
     from veragged.optim import AdamW8bit, Muon
-    from veragged.testing.llama import muon_param_groups
+    from veragged.models.llama import muon_param_groups
 
     if name == "muon":
         return Muon(muon_param_groups(params_or_model, adamw_lr=1e-2), lr=0.02, weight_decay=0.1)

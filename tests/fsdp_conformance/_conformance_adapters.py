@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
-from veragged.testing.conformance import impl_name
+from tests.harness.conformance import impl_name
 
 __all__ = [
     "all_states", "group_max_input_buffers", "groups_of", "is_root", "lazy_init",

@@ -25,7 +25,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
     TransformerBlock,
 )
 
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     FSDPTest,
     device_type,
     fully_shard,

@@ -45,7 +45,7 @@ from _conformance_adapters import (
     max_input_buffers,
     record_events,
 )
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     device_type as _conformance_device_type,
     FSDPTest,
     fully_shard,

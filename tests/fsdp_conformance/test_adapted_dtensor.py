@@ -24,7 +24,7 @@ from torch.distributed.tensor import (
 from torch.testing._internal.common_fsdp import MLP
 
 from _conformance_adapters import shard_dim
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     device_type as _conformance_device_type,
     FSDPTest,
     fully_shard,

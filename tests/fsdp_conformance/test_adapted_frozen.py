@@ -34,7 +34,7 @@ from torch.testing._internal.common_fsdp import (
     reduce_scatter_with_assert,
 )
 
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     check_sharded_parity,
     device_type,
     FSDPTest,

@@ -73,7 +73,7 @@ from _conformance_adapters import (
     shard_dim,
     state_of,
 )
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     device_type as _conformance_device_type,
     distribute_tensor,
     FSDPTest,

@@ -28,7 +28,7 @@ from torch.testing._internal.common_fsdp import (
 )
 
 from _conformance_adapters import reduce_dtype
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     device_type as _conformance_device_type,
     FSDPTest,
     fully_shard,

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.testing._internal.common_fsdp import MLP
 
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     device_type as _conformance_device_type,
     fully_shard,
     FSDPTest,

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_fsdp import MLP
 
 from _conformance_adapters import groups_of, modules_to_run_forward
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     check_sharded_parity,
     FSDPTest,
     fully_shard,

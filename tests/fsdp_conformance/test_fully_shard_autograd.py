@@ -2,15 +2,15 @@
 #
 # Ported from pytorch/pytorch, test/distributed/_composable/fsdp/test_fully_shard_autograd.py
 # at commit 23477856102d577e4a7c89712d41dce561082f66, to CPU/gloo, run against both torch's
-# fully_shard and veragged.fully_shard (veragged.testing.conformance).
+# fully_shard and veragged.fully_shard (tests.harness.conformance).
 # Changes from the original, and only these:
 #   - `fully_shard`, `FSDPTest` (also for FSDPTestMultiThread) and `device_type` come from
-#     veragged.testing.conformance; "cuda" / .cuda() -> device_type ("cpu");
+#     tests.harness.conformance; "cuda" / .cuda() -> device_type ("cpu");
 #   - world_size 2 (was min(4, cuda device_count) / min(cuda device_count, 2) / 2);
 #   - @skip_if_lt_x_gpu(2) and @unittest.skipIf(not TEST_CUDA, "no cuda") removed;
 #   - run_tests() -> instantiate_conformance_tests(globals()).
 #
-# `check_sharded_parity` is imported from veragged.testing.conformance: torch's assertions, with
+# `check_sharded_parity` is imported from tests.harness.conformance: torch's assertions, with
 # the reference distributed by veragged.distribute_tensor (torch's rejects RaggedShard).
 
 import collections
@@ -32,7 +32,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
     Transformer,
 )
 
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     check_sharded_parity,
     FSDPTest,
     device_type,

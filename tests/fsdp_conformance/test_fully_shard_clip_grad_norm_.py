@@ -2,7 +2,7 @@
 #
 # Ported from pytorch/pytorch, test/distributed/_composable/fsdp/
 # test_fully_shard_clip_grad_norm_.py, to CPU/gloo, run against both torch's fully_shard and
-# veragged.fully_shard (veragged.testing.conformance).
+# veragged.fully_shard (tests.harness.conformance).
 # Source text: the versions of pytorch/pytorch in the search index
 # (0f31e61295ea6ab54df9279d4fd1e4c32599e81b, f20bd3a3dca54b9430a1c142351fe36f57fc028a) import
 # torch.distributed._tensor.debug, which torch 2.15 no longer has; this port follows the newer
@@ -10,7 +10,7 @@
 # e870186f5835d65c774e91fa42ec347cec166496 (the fork's added "FUZZ_TESTING_CANDIDATE" comment
 # line dropped). All its imports exist in torch 2.15.
 # Changes from the original, and only these:
-#   - `fully_shard`, `FSDPTest` and `device_type` come from veragged.testing.conformance
+#   - `fully_shard`, `FSDPTest` and `device_type` come from tests.harness.conformance
 #     (device_type = torch.device("cpu"); was torch.device(get_devtype()));
 #   - world_size 2 (was min(device_count, 2));
 #   - @skip_if_lt_x_gpu(2) removed;
@@ -38,7 +38,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
     TransformerBlock,
 )
 
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     FSDPTest,
     device_type,
     fully_shard,

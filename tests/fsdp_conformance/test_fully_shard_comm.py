@@ -4,7 +4,7 @@
 # at commit 01d5c2cc8ac53ec6f45d10e2b90f7387df1f1ac4 (BSD-3-Clause, Copyright (c) PyTorch
 # contributors). Conformance port: torch's test code and assertions are kept; only the device
 # (cuda -> cpu), the backend (nccl -> gloo), the world size (2; 1 where torch uses 1) and the
-# import of `fully_shard` (veragged.testing.conformance dispatches to torch's or veragged's)
+# import of `fully_shard` (tests.harness.conformance dispatches to torch's or veragged's)
 # changed, `@skip_if_lt_x_gpu` is removed, and FSDPTest / FSDPTestContinuous /
 # FSDPTestMultiThread are the harness's FSDPTest. Every test runs as <Class>_torch and
 # <Class>_veragged.
@@ -30,7 +30,7 @@
 #     reduce-scatter with ReduceOp.PREMUL_SUM, and gloo raises "Cannot use
 #     ReduceOp.PREMUL_SUM with Gloo" (subtests divide_factor=2*world_size, and mesh (2, 1)).
 #
-# `check_sharded_parity` is imported from veragged.testing.conformance: torch's assertions, with
+# `check_sharded_parity` is imported from tests.harness.conformance: torch's assertions, with
 # the reference distributed by veragged.distribute_tensor (torch's rejects RaggedShard).
 
 import copy
@@ -80,7 +80,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     check_sharded_parity,
     device_type as _conformance_device_type,
     FSDPTest,

@@ -6,7 +6,7 @@
 # (classes <Name>_torch and <Name>_veragged). Changes from the original, and nothing else:
 #   - `fully_shard`, `check_sharded_parity` (torch's assertions, the reference distributed with
 #     veragged.distribute_tensor) and the test base classes (FSDPTest; FSDPTestMultiThread ->
-#     FSDPTest: ranks are processes) come from veragged.testing.conformance; the device is CPU
+#     FSDPTest: ranks are processes) come from tests.harness.conformance; the device is CPU
 #     (`device_type`), the backend gloo;
 #   - world sizes: 2 kept; 8 -> 4 for the multi-thread class (its HSDP test needs a 2 x 2 mesh);
 #   - `@skip_if_lt_x_gpu(...)` removed;
@@ -31,7 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.testing._internal.common_fsdp import MLP
 from torch.testing._internal.two_tensor import TwoTensor
 
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     check_sharded_parity,
     device_type as _conformance_device_type,
     FSDPTest,

@@ -2,9 +2,9 @@
 #
 # Ported from pytorch/pytorch, test/distributed/_composable/fsdp/test_fully_shard_frozen.py
 # at commit 7023af4cb8e797ff7938300438a159bc967842c2, to CPU/gloo, run against both torch's
-# fully_shard and veragged.fully_shard (veragged.testing.conformance).
+# fully_shard and veragged.fully_shard (tests.harness.conformance).
 # Changes from the original, and only these:
-#   - `fully_shard`, `FSDPTest` and `device_type` come from veragged.testing.conformance
+#   - `fully_shard`, `FSDPTest` and `device_type` come from tests.harness.conformance
 #     (device_type = torch.device("cpu"); was torch.device(get_devtype()));
 #   - world_size 2 (was min(4, device_count));
 #   - @skip_if_lt_x_gpu(2) removed;
@@ -12,7 +12,7 @@
 #     CPU modules (a CUDA device index does not apply on CPU);
 #   - run_tests() -> instantiate_conformance_tests(globals());
 #   - `RegisterPostBackwardFunction` and `patch_register_post_backward_hook_backward` come from
-#     veragged.testing.conformance: FSDP2's private autograd function (and torch's helper that
+#     tests.harness.conformance: FSDP2's private autograd function (and torch's helper that
 #     patches its backward) for the torch variant, veragged's function of the same role and
 #     signature (veragged.fsdp.state) for the veragged variant, so both tests count the
 #     post-backward calls of the implementation under test.
@@ -21,7 +21,7 @@
 # torch_only (skipped on veragged): test_train_mixed_requires_grad_per_group asserts torch.chunk's
 # per-rank numel (reason at the test); test_adapted_frozen.py runs it on both with that bound.
 #
-# `check_sharded_parity` is imported from veragged.testing.conformance: torch's assertions, with
+# `check_sharded_parity` is imported from tests.harness.conformance: torch's assertions, with
 # the reference distributed by veragged.distribute_tensor (torch's rejects RaggedShard).
 
 import copy
@@ -40,7 +40,7 @@ from torch.testing._internal.common_fsdp import (
     reduce_scatter_with_assert,
 )
 
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     check_sharded_parity,
     FSDPTest,
     device_type,

@@ -4,7 +4,7 @@
 # at commit 20d074ca8593337e4a124d6f64f478b77fdf9a24 (BSD-3-Clause, Copyright (c) PyTorch
 # contributors). Conformance port: every test runs against torch's and veragged's `fully_shard`
 # (classes <Name>_torch and <Name>_veragged). Changes from the original, and nothing else:
-#   - `fully_shard` and `FSDPTest` come from veragged.testing.conformance; the device is CPU
+#   - `fully_shard` and `FSDPTest` come from tests.harness.conformance; the device is CPU
 #     (`device_type`; was `torch.accelerator.current_accelerator().type`), the backend gloo;
 #   - world size 4 (torch's FSDPTest default on its 4-GPU runners; the 2-D subtest needs it);
 #   - `@skip_if_lt_x_gpu(4)` removed;
@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.testing._internal.common_fsdp import MLP
 
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     device_type,
     FSDPTest,
     fully_shard,

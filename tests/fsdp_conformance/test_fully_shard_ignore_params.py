@@ -2,9 +2,9 @@
 #
 # Ported from pytorch/pytorch, test/distributed/_composable/fsdp/test_fully_shard_ignore_params.py
 # at commit f3b61b49af557b00471cc83dbd651e075a17985d, to CPU/gloo, run against both torch's
-# fully_shard and veragged.fully_shard (veragged.testing.conformance).
+# fully_shard and veragged.fully_shard (tests.harness.conformance).
 # Changes from the original, and only these:
-#   - `fully_shard`, `FSDPTest` and `device_type` come from veragged.testing.conformance
+#   - `fully_shard`, `FSDPTest` and `device_type` come from tests.harness.conformance
 #     (device_type = torch.device("cpu"); was torch.device(get_devtype()));
 #   - world size: the harness default, 2 (the original uses FSDPTest's default);
 #   - @skip_if_lt_x_gpu(2) removed;
@@ -23,7 +23,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing._internal.common_utils import TEST_WITH_DEV_DBG_ASAN
 
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     FSDPTest,
     device_type,
     fully_shard,

@@ -6,7 +6,7 @@
 # `fully_shard` (classes <Name>_torch and <Name>_veragged). Changes from the original, and
 # nothing else:
 #   - `fully_shard`, the test base class (FSDPTestMultiThread -> FSDPTest), `device_type` and
-#     `torch_only` come from veragged.testing.conformance; the device is CPU, the backend gloo;
+#     `torch_only` come from tests.harness.conformance; the device is CPU, the backend gloo;
 #   - `torch.device(device_type.type, torch.get_device_module(device_type).current_device())`
 #     (the accelerator device) is `torch.device(device_type.type)`;
 #   - world sizes: 1 and 8 -> 2 (4 where a test builds a 2-D mesh; 8 -> 4 for the shard
@@ -20,7 +20,7 @@
 #     torch.cpu's stand-in Stream: only the set_all_reduce_hook(stream=...) API is exercised);
 #   - `fully_shard.state(module)` is the harness's, which returns the state of the
 #     implementation under test (veragged.fully_shard has no `.state`);
-#   - `distribute_tensor` comes from veragged.testing.conformance (`veragged.distribute_tensor`,
+#   - `distribute_tensor` comes from tests.harness.conformance (`veragged.distribute_tensor`,
 #     as `check_sharded_parity` uses): test_rank0_broadcast_meta_device_init distributes full
 #     tensors with the sharded parameters' placements, which torch's `distribute_tensor` accepts
 #     only when they are torch's own; for those, veragged's returns what torch's returns;
@@ -68,7 +68,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
     TransformerBlock,
 )
 
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     device_type as _conformance_device_type,
     distribute_tensor,
     fully_shard,

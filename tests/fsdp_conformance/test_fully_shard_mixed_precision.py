@@ -5,7 +5,7 @@
 # contributors). Conformance port: torch's test code and assertions are kept; only the device
 # (cuda -> cpu), the backend (nccl -> gloo: the `@unittest.skipIf(DISTRIBUTED_BACKEND != "nccl")`
 # decorators go), the world size (2) and the import of `fully_shard`
-# (veragged.testing.conformance dispatches to torch's or veragged's) changed,
+# (tests.harness.conformance dispatches to torch's or veragged's) changed,
 # `@skip_if_lt_x_gpu` is removed, FSDPTest / FSDPTestMultiThread are the harness's FSDPTest,
 # and `instantiate_device_type_tests(..., except_for=["cpu"])` is replaced by
 # `instantiate_conformance_tests`. `@requires_nccl_version` is kept (a no-op without CUDA).
@@ -26,7 +26,7 @@
 #     ("expected scalar type BFloat16 but found Float" in the BatchNorm1d case, before the
 #     test's CPU branch for BatchNorm2d), while CUDA's kernel accepts it.
 #
-# `check_sharded_parity` is imported from veragged.testing.conformance: torch's assertions, with
+# `check_sharded_parity` is imported from tests.harness.conformance: torch's assertions, with
 # the reference distributed by veragged.distribute_tensor (torch's rejects RaggedShard).
 
 import copy
@@ -59,7 +59,7 @@ from torch.testing._internal.common_utils import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     check_sharded_parity,
     device_type as _conformance_device_type,
     FSDPTest,

@@ -6,7 +6,7 @@
 # (classes <Name>_torch and <Name>_veragged). Changes from the original, and nothing else:
 #   - `fully_shard` (with `fully_shard.state`, which gives the state of the implementation under
 #     test) and the test base class (FSDPTestMultiThread -> FSDPTest: ranks are processes) come
-#     from veragged.testing.conformance; the world size stays 1;
+#     from tests.harness.conformance; the world size stays 1;
 #   - `run_tests()` -> `instantiate_conformance_tests(globals())`.
 
 import copy
@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.common_fsdp import MLP
 from torch.testing._internal.common_utils import HardwareClassification
 
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     FSDPTest,
     fully_shard,
     instantiate_conformance_tests,

@@ -6,7 +6,7 @@
 # `fully_shard` (classes <Name>_torch and <Name>_veragged). Changes from the original, and
 # nothing else:
 #   - `fully_shard`, the test base class (FSDPTest / FSDPTestMultiThread -> FSDPTest) and
-#     `device_type` come from veragged.testing.conformance; the device is CPU, the backend gloo
+#     `device_type` come from tests.harness.conformance; the device is CPU, the backend gloo
 #     (`"cuda"` literals -> `device_type.type`, `model.cuda()` -> `model.to(device_type)`);
 #   - world sizes: min(8, #GPUs) -> 4 (the 2-D dp x tp, HSDP and 3-D meshes need it), 2 kept;
 #   - `@skip_if_lt_x_gpu(...)` removed; `@torch_only(...)` added to the tests that assert the
@@ -16,7 +16,7 @@
 #     model cpu -> cuda and expects new storage), test_dp_state_dict_cpu_offload with
 #     cpu_state_dict=False (expects an error for a state dict on the accelerator) and with
 #     CPUOffloadPolicy(pin_memory=True) (pinned memory needs an accelerator);
-#   - `distribute_tensor` comes from veragged.testing.conformance (`veragged.distribute_tensor`,
+#   - `distribute_tensor` comes from tests.harness.conformance (`veragged.distribute_tensor`,
 #     as `check_sharded_parity` uses): test_dp_state_dict_cpu_offload distributes full tensors
 #     with the sharded parameters' placements, which torch's `distribute_tensor` accepts only
 #     when they are torch's own; for those, veragged's returns what torch's returns;
@@ -43,7 +43,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
     TransformerBlock,
 )
 
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     device_type as _conformance_device_type,
     distribute_tensor,
     fully_shard,

@@ -3,11 +3,11 @@
 # Conformance port of pytorch/pytorch test/distributed/_composable/fsdp/test_fully_shard_training.py
 # at commit 001df7b5cd514f6b4fb6ffbaad6ea31e7a2ada72 (BSD-3-Clause, (c) PyTorch contributors).
 # Every test runs twice, against torch's fully_shard (`*_torch`) and veragged's (`*_veragged`),
-# on a persistent pool of CPU/gloo ranks (veragged.testing.conformance). Changes from the source,
+# on a persistent pool of CPU/gloo ranks (tests.harness.conformance). Changes from the source,
 # and nothing else: the device is CPU (`device_type`), world sizes are 2 (4 where a 2-D mesh is
 # needed, 8 for the 2x2x2 mesh of TestFullyShardHSDP3DTraining, 1 where the source uses 1),
 # `fully_shard`, `FSDPTest`, `FSDPTestMultiThread` and `compiled_fsdp_test` come from
-# veragged.testing.conformance, `@skip_if_lt_x_gpu(...)` decorators are removed,
+# tests.harness.conformance, `@skip_if_lt_x_gpu(...)` decorators are removed,
 # `@torch_only(...)` marks tests that inspect FSDP2's private state, and `conformance_timeout_s`
 # gives the longest classes more than the default 120 s. Left out: TestFullyShardCudaGraph (CUDA
 # graphs), TestFullyShardNDTraining.test_shard_placement_fn_tp_ep (on CPU, tensor parallelism hits
@@ -17,7 +17,7 @@
 # TestFSDPDivergentRanks (and its SomeUnusedParamModel) is added from a newer version of the file
 # (see the comment above the class).
 #
-# `check_sharded_parity` is imported from veragged.testing.conformance: torch's assertions, with
+# `check_sharded_parity` is imported from tests.harness.conformance: torch's assertions, with
 # the reference distributed by veragged.distribute_tensor (torch's rejects RaggedShard).
 
 import contextlib
@@ -72,7 +72,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
     TransformerBlock,
 )
 
-from veragged.testing.conformance import (
+from tests.harness.conformance import (
     check_sharded_parity,
     compiled_fsdp_test,
     FSDPTest,

@@ -11,9 +11,9 @@ from torch.distributed.tensor import DTensor
 
 import veragged
 from veragged.optim import SOAP, Muon, Shampoo
-from veragged.testing import get_mesh
-from veragged.testing.grads import set_grads
-from veragged.testing.llama import Llama, LlamaConfig
+from tests.harness import get_mesh
+from tests.harness.grads import set_grads
+from veragged.models.llama import Llama, LlamaConfig
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, hidden=86, max_seq=9)
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 import veragged
 from veragged.optim import adamw8bit as adamw8bit_module
 from veragged.optim.adamw8bit import AdamW8bit, adamw8bit_granularity
-from veragged.testing import get_mesh, run_on_ranks
+from tests.harness import get_mesh, run_on_ranks
 
 BLOCK, MIN_8BIT = 32, 256  # small, so a small model has many blocks and both kinds of state
 KW = dict(lr=1e-2, weight_decay=0.1, block_size=BLOCK, min_8bit_size=MIN_8BIT)

@@ -12,7 +12,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from veragged import RaggedShard
 from veragged.optim import AdamW8bit
-from veragged.testing.pool import get_pool
+from tests.harness.pool import get_pool
 
 import tp_cases
 from tp_cases import srs

@@ -14,8 +14,8 @@ import torch
 
 from veragged.optim import SOAP, Shampoo
 from veragged.optim.async_roots import AsyncStats
-from veragged.testing import get_mesh, run_on_ranks
-from veragged.testing.grads import set_grads
+from tests.harness import get_mesh, run_on_ranks
+from tests.harness.grads import set_grads
 
 from matrix_cases import (
     FACTORIES,

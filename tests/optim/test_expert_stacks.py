@@ -11,10 +11,10 @@ import torch.nn as nn
 
 import veragged
 from veragged.optim import SOAP, Muon, Shampoo
-from veragged.testing import get_mesh, run_on_ranks
-from veragged.testing.grads import set_grads
-from veragged.testing.moe import MoE, MoEConfig, expert_parallel
-from veragged.testing.traffic import PeerTraffic
+from tests.harness import get_mesh, run_on_ranks
+from tests.harness.grads import set_grads
+from veragged.models.moe import MoE, MoEConfig, expert_parallel
+from veragged.tools.peer_traffic import PeerTraffic
 
 from matrix_cases import full_values, grads_to, load_checkpoint, save_checkpoint
 

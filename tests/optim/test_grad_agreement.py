@@ -23,8 +23,8 @@ import veragged
 from veragged import RaggedShard
 from veragged.optim import AdamW8bit, Muon
 from veragged.optim.common import GradPresence, declare_symmetric_grads
-from veragged.testing import get_mesh, run_on_ranks
-from veragged.testing.grads import set_grads
+from tests.harness import get_mesh, run_on_ranks
+from tests.harness.grads import set_grads
 
 MUON = dict(lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)
 A8 = dict(lr=1e-2, weight_decay=0.1, block_size=32, min_8bit_size=256)

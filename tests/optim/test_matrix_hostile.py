@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import veragged
 from veragged.optim import SOAP, Muon, Shampoo
-from veragged.testing import get_mesh, run_on_ranks
+from tests.harness import get_mesh, run_on_ranks
 
 from matrix_cases import full_values, grads_to, load_checkpoint, save_checkpoint
 

@@ -6,7 +6,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from veragged.optim import Muon
-from veragged.testing import get_mesh, run_on_ranks
+from tests.harness import get_mesh, run_on_ranks
 
 from matrix_cases import CFG, step_with_reference
 from matrix_cases import model as build_model
@@ -200,7 +200,7 @@ def _interleaved_sharded():
     """Fused per-head q, k, v (4 heads of 3 rows each) cut by RaggedShard at every row
     boundary the planner picks, 4 ranks, a real forward and backward, against one process."""
     import veragged
-    from veragged.testing import get_mesh
+    from tests.harness import get_mesh
 
     torch.manual_seed(0)
     sizes, repeat = (3, 3, 3), 4
@@ -228,6 +228,6 @@ def _interleaved_sharded():
 
 
 def test_interleaved_splits_sharded_equal_one_process():
-    from veragged.testing import run_on_ranks
+    from tests.harness import run_on_ranks
 
     assert all(run_on_ranks(_interleaved_sharded, 4, timeout=120))

@@ -9,9 +9,9 @@ from torch.distributed.tensor import DTensor
 
 import veragged
 from veragged.optim import Muon
-from veragged.testing import get_mesh, run_on_ranks
-from veragged.testing.grads import set_grads
-from veragged.testing.llama import Llama, LlamaConfig, muon_param_groups
+from tests.harness import get_mesh, run_on_ranks
+from tests.harness.grads import set_grads
+from veragged.models.llama import Llama, LlamaConfig, muon_param_groups
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, hidden=86, max_seq=9)
 

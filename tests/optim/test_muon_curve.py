@@ -3,7 +3,7 @@
 import torch
 
 import veragged
-from veragged.testing.llama import Llama, LlamaConfig, muon_param_groups
+from veragged.models.llama import Llama, LlamaConfig, muon_param_groups
 
 CFG = LlamaConfig(vocab=64, dim=64, layers=2, heads=4, hidden=172, max_seq=33)
 STEPS, BATCH, SEQ = 60, 16, 33

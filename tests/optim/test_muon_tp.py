@@ -19,7 +19,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from veragged import RaggedShard
 from veragged.optim import Muon
 from veragged.optim.pieces import matrix_layout
-from veragged.testing.pool import get_pool
+from tests.harness.pool import get_pool
 
 import tp_cases
 from tp_cases import srs

@@ -8,7 +8,7 @@ import pytest
 
 import veragged  # noqa: F401  (loads the extension: torch.ops.veragged.*)
 from veragged.optim.owners import COSTS, STRATEGIES, OwnerPlan, block_costs, plan_owners
-from veragged.testing import run_on_ranks
+from tests.harness import run_on_ranks
 
 
 def split(n, size):
@@ -334,8 +334,8 @@ def _layerwise_vs_one_process(name):
     embedding, head and final norm) and owners="layer", against one process."""
     import veragged
     from matrix_cases import CFG, full_values, model
-    from veragged.testing import get_mesh
-    from veragged.testing.grads import set_grads
+    from tests.harness import get_mesh
+    from tests.harness.grads import set_grads
 
     cfg = type(CFG)(**{**CFG.__dict__, "layers": 4})
     flag = {"muon": "use_muon", "shampoo": "precondition", "soap": "precondition"}[name]

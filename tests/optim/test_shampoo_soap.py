@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from veragged.optim import SOAP, Shampoo
-from veragged.testing import run_on_ranks
+from tests.harness import run_on_ranks
 
 from matrix_cases import distributed_vs_one_process
 
@@ -222,7 +222,7 @@ def _train(name, kind, steps, **kw):
     import torch.distributed as dist
 
     from matrix_cases import CFG, FACTORIES, full_values, model
-    from veragged.testing import get_mesh
+    from tests.harness import get_mesh
 
     m, ref_model = model(kind, get_mesh()), model("single", None)
     opt, ref = FACTORIES[name](m, **kw), FACTORIES[name](ref_model, **kw)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from veragged.testing import get_mesh, run_on_ranks
-from veragged.testing.grads import set_grads
+from tests.harness import get_mesh, run_on_ranks
+from tests.harness.grads import set_grads
 
 from matrix_cases import FACTORIES, full_values, load_checkpoint, model, save_checkpoint
 

@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from veragged.optim import SOAP, Shampoo
-from veragged.testing.pool import get_pool
+from tests.harness.pool import get_pool
 
 import tp_cases
 from test_muon_tp import CASES

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import veragged
 from veragged import StridedRaggedShard
-from veragged.testing.device import mesh_device
+from tests.harness.device import rank_device_type
 
 MESHES = {"2d": ((2, 2), ("dp", "tp")), "3d": ((2, 2, 2), ("rep", "dp", "tp"))}
 WORLD = {kind: math.prod(shape) for kind, (shape, _) in MESHES.items()}
@@ -28,7 +28,7 @@ WORLD = {kind: math.prod(shape) for kind, (shape, _) in MESHES.items()}
 
 def mesh_of(kind: str):
     shape, names = MESHES[kind]
-    return init_device_mesh(mesh_device(), shape, mesh_dim_names=names)
+    return init_device_mesh(rank_device_type(), shape, mesh_dim_names=names)
 
 
 def srs(dims, units, tp=2):

@@ -31,8 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import veragged
 from veragged import RaggedShard
 from veragged.placement import ops
-from veragged.testing.device import mesh_device
-from veragged.testing.pool import get_pool
+from tests.harness.device import rank_device_type
+from tests.harness.pool import get_pool
 
 IMPLS = {"torch": torch_fully_shard, "veragged": veragged.fully_shard}
 MESHES = {"1d": (2,), "hsdp": (2, 2)}
@@ -70,7 +70,7 @@ def _model(impl, mesh_shape, mixed):
     torch.manual_seed(0)
     model = Net()
     names = ("replicate", "shard") if len(mesh_shape) == 2 else None
-    mesh = init_device_mesh(mesh_device(), mesh_shape, mesh_dim_names=names)
+    mesh = init_device_mesh(rank_device_type(), mesh_shape, mesh_dim_names=names)
     kw = {"mesh": mesh}
     if mixed:  # 2-D weights as torch's plain Shard(1) DTensors, the rest RaggedShard
         kw["shard_placement_fn"] = _dim1_for_matrices
@@ -308,7 +308,7 @@ def _fast_matches_general():
     """The same ops through the fast path and through the general path (the fast path off)."""
     from veragged.placement import fastpath
 
-    mesh = init_device_mesh(mesh_device(), (2,))
+    mesh = init_device_mesh(rank_device_type(), (2,))
     g = torch.Generator().manual_seed(3)
     fulls = [torch.randn(s, generator=g) for s in ((6, 4), (5,), (3, 3))]
     places = [RaggedShard((0,), (1, 2)), RaggedShard((), (0, 1)), RaggedShard((0, 1), (4, 5))]

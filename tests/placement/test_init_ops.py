@@ -37,8 +37,8 @@ from torch.distributed.tensor import distribute_tensor as torch_distribute_tenso
 
 import veragged
 from veragged import RaggedShard
-from veragged.testing.device import mesh_device
-from veragged.testing.pool import get_pool
+from tests.harness.device import rank_device_type
+from tests.harness.pool import get_pool
 
 WORLD = 4
 TIMEOUT = 300
@@ -133,7 +133,7 @@ def _levels(mesh, *names):
 
 
 def _mesh(shape=(WORLD,)):
-    return init_device_mesh(mesh_device(), shape)
+    return init_device_mesh(rank_device_type(), shape)
 
 
 def _ragged(full, mesh, placements):

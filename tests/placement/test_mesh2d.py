@@ -10,8 +10,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 import veragged
 from veragged import RaggedShard, StridedRaggedShard
 from veragged.placement import normalize_placements
-from veragged.testing import get_mesh, run_on_ranks
-from veragged.testing.device import mesh_device
+from tests.harness import get_mesh, run_on_ranks
+from tests.harness.device import rank_device_type
 
 
 def _full(shape, seed=0):
@@ -117,7 +117,7 @@ def _error(fn):
 def _bad_input():
     mesh = get_mesh()
     full = _full((6, 4))
-    other_mesh = init_device_mesh(mesh_device(), (2, 2))
+    other_mesh = init_device_mesh(rank_device_type(), (2, 2))
     dt = veragged.distribute_tensor(full, mesh, [RaggedShard((0,), (1, 1, 1, 3))])
     wrong_numel = full.reshape(-1)[:5] if dist.get_rank() == 1 else dt.to_local()
     return {

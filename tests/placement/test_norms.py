@@ -21,8 +21,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import veragged
 from veragged import RaggedShard, StridedRaggedShard
-from veragged.testing.device import mesh_device
-from veragged.testing.pool import get_pool
+from tests.harness.device import rank_device_type
+from tests.harness.pool import get_pool
 
 ORDS = (2, 1, 3, 0.5, -1, math.inf, -math.inf, 0)
 funcol_all_reduce = torch.ops.c10d_functional.all_reduce
@@ -83,7 +83,7 @@ def _ragged(got, want, placements):
 
 
 def _one_d(world):
-    mesh = init_device_mesh(mesh_device(), (world,))
+    mesh = init_device_mesh(rank_device_type(), (world,))
     g = torch.Generator().manual_seed(3)
     res = {}
     for shape, p in _cases(world):
@@ -299,7 +299,7 @@ def _foreach_and_clip(mesh, world):
 
 def _two_d():
     """2x2 mesh: the ragged split next to TP/EP Shard placements."""
-    mesh = init_device_mesh(mesh_device(), (2, 2))
+    mesh = init_device_mesh(rank_device_type(), (2, 2))
     g = torch.Generator().manual_seed(7)
     res = {}
 

@@ -15,9 +15,9 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 import veragged
 from veragged import RaggedShard
-from veragged.testing import get_mesh, run_on_ranks
-from veragged.testing.device import mesh_device
-from veragged.testing.pool import get_pool
+from tests.harness import get_mesh, run_on_ranks
+from tests.harness.device import rank_device_type
+from tests.harness.pool import get_pool
 
 WORLD = 4
 SHAPES = [
@@ -219,7 +219,7 @@ def _mixed_lists():
     """`_foreach_*`/fused ops on lists mixing RaggedShard DTensors with plain tensors (FSDP next to
     replicate()), with ranks holding no element: the ragged positions run on the shards, the
     others as torch's op; checked against the same ops on full tensors."""
-    mesh = init_device_mesh(mesh_device(), (2,))
+    mesh = init_device_mesh(rank_device_type(), (2,))
     g = torch.Generator().manual_seed(1)
     shapes = [(6, 4), (8, 8), (5,), (3, 3), (4, 2)]
     placements = [

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import veragged
 from veragged import RaggedShard, StridedRaggedShard
-from veragged.testing import get_mesh, run_on_ranks
+from tests.harness import get_mesh, run_on_ranks
 
 from test_ops import _raises  # a sibling test module (pytest puts its folder on the path)
 

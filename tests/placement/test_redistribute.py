@@ -16,7 +16,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import veragged
 from veragged import RaggedShard, RoutedDTensor
-from veragged.testing import get_mesh, run_on_ranks
+from tests.harness import get_mesh, run_on_ranks
 
 WORLD = 4
 # (shape, dims): awkward sizes, 3-D tensors, element / row / plane / whole-tensor granularity.

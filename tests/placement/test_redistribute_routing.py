@@ -10,7 +10,7 @@ from torch.distributed.tensor import distribute_tensor as torch_distribute_tenso
 
 import veragged
 from veragged import RaggedDTensor, RaggedShard, RoutedDTensor
-from veragged.testing import get_mesh, run_on_ranks
+from tests.harness import get_mesh, run_on_ranks
 
 
 def _raises(fn, text):

@@ -28,7 +28,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import veragged
 from veragged import RaggedShard
-from veragged.testing import get_mesh, run_on_ranks
+from tests.harness import get_mesh, run_on_ranks
 
 aten = torch.ops.aten
 TIMEOUT = 600  # shared machines; each spawn normally takes seconds

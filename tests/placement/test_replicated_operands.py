@@ -11,7 +11,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 import veragged
 from veragged import RaggedShard
-from veragged.testing import get_mesh, run_on_ranks
+from tests.harness import get_mesh, run_on_ranks
 
 # (shape, ragged dims, local_units on 4 ranks, the other operand's shape)
 CASES = [

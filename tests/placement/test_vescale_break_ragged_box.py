@@ -33,7 +33,7 @@ import random
 import torch
 
 import veragged  # noqa: F401  (registers torch.ops.veragged.*)
-from veragged.testing.cases import assert_cases, error
+from tests.harness.cases import assert_cases, error
 
 EXHAUSTIVE_MAX = 5000  # 2-D: all rectangles when there are at most this many
 EXHAUSTIVE_SAMPLE = 400  # 2-D: else this many random ones (veScale: all)

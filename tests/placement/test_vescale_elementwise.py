@@ -30,8 +30,8 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 import veragged
 from veragged import RaggedShard
-from veragged.testing import get_mesh
-from veragged.testing.cases import (
+from tests.harness import get_mesh
+from tests.harness.cases import (
     assert_cases,
     check,
     make_strided_shard,
@@ -39,7 +39,7 @@ from veragged.testing.cases import (
     run_groups,
     shape_units_cases,
 )
-from veragged.testing.device import mesh_device
+from tests.harness.device import rank_device_type
 
 WORLD = 4
 
@@ -78,7 +78,7 @@ def _run_add(dtensor):
 
 def _ranks():
     mesh = get_mesh()
-    mesh2 = init_device_mesh(mesh_device(), (2, 2), mesh_dim_names=("fsdp", "ep"))
+    mesh2 = init_device_mesh(rank_device_type(), (2, 2), mesh_dim_names=("fsdp", "ep"))
 
     def ragged(shape, dims, units):
         tensor = torch.zeros(32, 128, dtype=torch.int64).view(shape)

@@ -32,15 +32,15 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import veragged
 from veragged import RaggedShard
-from veragged.testing import get_mesh
-from veragged.testing.cases import (
+from tests.harness import get_mesh
+from tests.harness.cases import (
     assert_cases,
     make_strided_shard,
     run_cases,
     run_groups,
     shape_units_cases,
 )
-from veragged.testing.device import mesh_device
+from tests.harness.device import rank_device_type
 
 WORLD = 4
 
@@ -92,7 +92,7 @@ NORM_TESTS = [
 
 def _ranks():
     mesh = get_mesh()
-    mesh2 = init_device_mesh(mesh_device(), (2, 2), mesh_dim_names=("fsdp", "ep"))
+    mesh2 = init_device_mesh(rank_device_type(), (2, 2), mesh_dim_names=("fsdp", "ep"))
 
     def ragged(norm_dim, shape, dims, units):
         tensor = torch.arange(0, 32 * 128, dtype=torch.float32).view(shape)

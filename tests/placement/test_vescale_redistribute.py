@@ -46,9 +46,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import veragged
 from veragged import RaggedShard, StridedRaggedShard
-from veragged.testing import get_mesh
-from veragged.testing.cases import assert_cases, check, error, run_cases, run_groups
-from veragged.testing.device import mesh_device
+from tests.harness import get_mesh
+from tests.harness.cases import assert_cases, check, error, run_cases, run_groups
+from tests.harness.device import rank_device_type
 
 WORLD = 4
 REPEATS_1D = 10  # as veScale
@@ -242,7 +242,7 @@ def _ragged_shard_2d():
     _seed42()
     out = []
     for mesh_size in MESHES_2D:
-        device_mesh = init_device_mesh(mesh_device(), mesh_size, mesh_dim_names=["ragged", "other"])
+        device_mesh = init_device_mesh(rank_device_type(), mesh_size, mesh_dim_names=["ragged", "other"])
         other = mesh_size[1]
         for rep in range(REPEATS_2D):
             # veScale: randint(16, 128) * other; rounded up to a multiple of other instead.

@@ -1,5 +1,5 @@
 """fully_shard's stream orderings, checked on the CPU ([Note: streams and events] in
-veragged/runtime/streams.py; the checker: veragged/testing/hb.py).
+veragged/runtime/streams.py; the checker: veragged/tools/happens_before.py).
 
 The training loops run under the happens-before recorder, whose virtual streams order work as an
 accelerator's would. For each loop (1-D, mixed precision, HSDP, no reshard after forward,
@@ -36,8 +36,8 @@ from tests.fsdp._reference import Block
 from veragged.fsdp.group import ParamGroup
 from veragged.runtime import use_runtime
 from veragged.runtime.streams import DeferringStreams, Streams
-from veragged.testing import get_mesh, run_on_ranks
-from veragged.testing.hb import Recorder, recorder_factory
+from tests.harness import get_mesh, run_on_ranks
+from veragged.tools.happens_before import Recorder, recorder_factory
 
 BLOCKS, STEPS = 4, 2
 

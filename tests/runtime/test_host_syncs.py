@@ -24,7 +24,7 @@ import torch.nn as nn
 
 import veragged
 from veragged.optim import AdamW8bit, Muon
-from veragged.testing import get_mesh, run_on_ranks
+from tests.harness import get_mesh, run_on_ranks
 
 PACKAGE = os.path.dirname(veragged.__file__)
 WATCHED = ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy")

@@ -1,5 +1,5 @@
 """Host work per group per step: the kernels FSDP itself launches (ops counted by
-`veragged.testing.copies.LaunchCounter`, attributed to FSDP's code by its stack), veragged
+`veragged.tools.write_counter.LaunchCounter`, attributed to FSDP's code by its stack), veragged
 against torch's fully_shard on the same model in the same ranks. The gradient landing is one
 `land_` launch per group ([Note: gradient landing]), not one per parameter, so veragged's FSDP
 launches stay at most torch's in every phase however many tensors a group holds; the whole
@@ -16,8 +16,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import veragged
-from veragged.testing import get_mesh, run_on_ranks
-from veragged.testing.copies import LaunchCounter
+from tests.harness import get_mesh, run_on_ranks
+from veragged.tools.write_counter import LaunchCounter
 
 PHASES = ("forward", "backward", "clip", "optim")
 

@@ -7,7 +7,7 @@ model must not hang, and its parameters and states must stay bitwise equal to th
 on full parameters fed the gradients a single process would see ([Note: symmetric grad
 presence]).
 
-A second stress trains a model with rank-dependent routing (veragged/testing/routing.py: each
+A second stress trains a model with rank-dependent routing (tests/harness/routing.py: each
 rank runs its own experts, some reached by no rank, expert tensors whole on one rank) through
 real forward and backward, clipping (torch's `clip_grad_norm_` and `veragged.clip_grad_norm_` on
 alternate steps) and torch's AdamW, veragged's Muon or AdamW8bit, with a DCP save and load every
@@ -25,11 +25,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import veragged
-from veragged.testing import get_mesh, routing, run_on_ranks
-from veragged.testing.device import mesh_device
-from veragged.testing.grads import set_grads
-from veragged.testing.llama import Llama, LlamaConfig, muon_param_groups
-from veragged.testing.pool import get_pool
+from tests.harness import get_mesh, routing, run_on_ranks
+from tests.harness.device import rank_device_type
+from tests.harness.grads import set_grads
+from veragged.models.llama import Llama, LlamaConfig, muon_param_groups
+from tests.harness.pool import get_pool
 
 LONG = os.environ.get("VERAGGED_STRESS", "0") == "1"
 STEPS, SAMPLE = (1000, 100) if LONG else (12, 4)  # 12: every pattern three times
@@ -150,7 +150,7 @@ ROUTING_PERTURBATION = 2.0**-22
 def _routing_stress(name, steps, sample, path):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(mesh_device(), (ROUTING_WORLD,))
+    mesh = init_device_mesh(rank_device_type(), (ROUTING_WORLD,))
     saved = []
 
     def on_sample(step, model, opt):

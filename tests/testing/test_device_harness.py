@@ -1,4 +1,4 @@
-"""The harness's device choice (veragged.testing.device): VERAGGED_TEST_DEVICE picks cpu or
+"""The harness's device choice (tests.harness.device): VERAGGED_TEST_DEVICE picks cpu or
 cuda; a GPU run skips what it cannot hold, and collects and skips cleanly without a GPU."""
 
 import os
@@ -10,8 +10,8 @@ import unittest
 import pytest
 import torch
 
-from veragged.testing import device as harness
-from veragged.testing.pool import get_pool
+from tests.harness import device as harness
+from tests.harness.pool import get_pool
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -34,7 +34,7 @@ def test_backends():
 
 
 def _rank_device():
-    return harness.mesh_device(), torch.empty(1).device.type
+    return harness.rank_device_type(), torch.empty(1).device.type
 
 
 def test_cpu_ranks_report_their_device():

@@ -1,6 +1,6 @@
-"""Tests for veragged.testing.run_on_ranks: results, collectives, meshes, failures and hangs.
+"""Tests for tests.harness.run_on_ranks: results, collectives, meshes, failures and hangs.
 
-run_on_ranks runs its calls on the session's rank pools (veragged.testing.pool) unless
+run_on_ranks runs its calls on the session's rank pools (tests.harness.pool) unless
 `fresh=True` spawns processes for the call; the failure reports are checked on both paths."""
 
 import os
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from veragged.testing import MultiRankError, get_mesh, run_on_ranks
+from tests.harness import MultiRankError, get_mesh, run_on_ranks
 
 # Workers live at module level: the spawned ranks re-import this module to unpickle them.
 

@@ -1,4 +1,4 @@
-"""Tests for veragged.testing.pool: run_on_ranks calls share a pool's ranks, each starts as a
+"""Tests for tests.harness.pool: run_on_ranks calls share a pool's ranks, each starts as a
 fresh call would (seeded, with its mesh), and a job's process groups do not outlive it."""
 
 import os
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from veragged.testing import get_mesh, run_on_ranks
+from tests.harness import get_mesh, run_on_ranks
 
 
 def _pid_and_draw():

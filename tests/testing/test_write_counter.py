@@ -11,9 +11,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import veragged
-from veragged.testing.copies import FSDPPaths, WriteCounter
-from veragged.testing.device import mesh_device
-from veragged.testing.pool import get_pool
+from veragged.tools.write_counter import FSDPPaths, WriteCounter
+from tests.harness.device import rank_device_type
+from tests.harness.pool import get_pool
 
 F32 = 4
 
@@ -103,7 +103,7 @@ def test_fsdp_paths_follow_function_names_and_fsdp_owned_gradient_storage():
 
 
 def _collectives():
-    mesh = init_device_mesh(mesh_device(), (2,))
+    mesh = init_device_mesh(rank_device_type(), (2,))
     full = torch.randn(16, 4)
     d = torch.distributed.tensor.distribute_tensor(full, mesh, [torch.distributed.tensor.Shard(0)])
     res = {}
@@ -142,7 +142,7 @@ class _Block(nn.Module):
 
 
 def _attribution(kind, mp):
-    mesh = init_device_mesh(mesh_device(), (2,))
+    mesh = init_device_mesh(rank_device_type(), (2,))
     torch.manual_seed(0)
     model = nn.Sequential(_Block(8), _Block(8))
     x = torch.randn(4, 8)

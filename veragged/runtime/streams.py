@@ -37,7 +37,7 @@ they do (`use`, `record`, `wait`, `launch`, `read`, `write`, `release`):
   not a host wait), so the host runs ahead.
 On the CPU (gloo) there is one stream, the caller's: `Streams` is then the current-stream
 runtime (no events; a collective's work is waited for by the host when its result is needed,
-and memory is freed at once), and the same code runs. `veragged.testing.hb.Recorder` is a
+and memory is freed at once), and the same code runs. `veragged.tools.happens_before.Recorder` is a
 `Streams` with virtual side streams that records every operation above and checks, with vector
 clocks, that each read follows the write it needs and each free follows every use on another
 stream (tests/runtime/test_happens_before.py). A DBuffer used on its own (no fully_shard) runs

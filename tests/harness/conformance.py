@@ -3,7 +3,7 @@
 A ported test file imports `fully_shard`, `device_type` and `FSDPTest` from here instead of
 torch (everything else stays torch's) and ends with `instantiate_conformance_tests(globals())`:
 
-    from veragged.testing.conformance import FSDPTest, fully_shard, instantiate_conformance_tests
+    from tests.harness.conformance import FSDPTest, fully_shard, instantiate_conformance_tests
 
     class TestFoo(FSDPTest):
         @property
@@ -18,7 +18,7 @@ torch (everything else stays torch's) and ends with `instantiate_conformance_tes
     instantiate_conformance_tests(globals())     # -> TestFoo_torch, TestFoo_veragged
 
 When pytest/unittest calls `TestFoo_veragged("test_bar").test_bar()` in the driver process, the
-call is shipped to `get_pool(self.world_size)` (veragged.testing.pool) as (file, module, class,
+call is shipped to `get_pool(self.world_size)` (tests.harness.pool) as (file, module, class,
 method, impl); each rank imports the test module from its file, selects the implementation,
 seeds as torch's FSDPTest does (`set_rng_seed()`), calls the port's own `setUp`/`tearDown` if it
 defines them, and runs the original method body. A port's `setUp`/`tearDown` only run on the
@@ -58,8 +58,8 @@ from torch.testing._internal import common_fsdp
 from torch.testing._internal.common_utils import TestCase, set_rng_seed
 
 from veragged.placement import distribute_tensor
-from veragged.testing.device import test_device
-from veragged.testing.pool import get_pool
+from tests.harness.device import test_device
+from tests.harness.pool import get_pool
 
 __all__ = ["IMPLS", "DEFAULT_TIMEOUT_S", "FSDPTest", "RegisterPostBackwardFunction",
            "check_sharded_parity", "compiled_fsdp_test", "device_type", "distribute_tensor",

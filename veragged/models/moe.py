@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from veragged.testing.llama import RMSNorm, rope
+from veragged.models.llama import RMSNorm, rope
 
 __all__ = ["MoE", "MoEConfig", "expert_parallel"]
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from torch.distributed.tensor import Shard
 
 import veragged
-from veragged.testing.multiprocess import run_on_ranks
+from tests.harness.multiprocess import run_on_ranks
 
 __all__ = [
     "assert_cases",

@@ -36,7 +36,7 @@ from multiprocessing import get_context
 from typing import Any, Callable, Optional
 from unittest import mock
 
-from veragged.testing._procs import (
+from tests.harness._procs import (
     _THREAD_VARS,
     MultiRankError,
     _collect,
@@ -45,7 +45,7 @@ from veragged.testing._procs import (
     _raise_failures,
     _shutdown,
 )
-from veragged.testing.device import backend_for, check_devices, enter_rank, test_device
+from tests.harness.device import backend_for, check_devices, enter_rank, test_device
 
 __all__ = ["RankPool", "get_pool", "shutdown_pools"]
 
@@ -64,7 +64,7 @@ class RankPool:
         timeout_s: default limit in seconds of one `run` (also of the start-up and of each
             collective, through the process group timeout).
         device: "cpu" (gloo ranks) or "cuda" (rank r on GPU r, NCCL for CUDA tensors; see
-            veragged.testing.device); default: the harness's, `VERAGGED_TEST_DEVICE`.
+            tests.harness.device); default: the harness's, `VERAGGED_TEST_DEVICE`.
     """
 
     def __init__(self, world_size: int, timeout_s: float = 120.0, device: Optional[str] = None):
@@ -183,7 +183,7 @@ class RankPool:
 
 def get_pool(world_size: int, timeout_s: float = 120.0, device: Optional[str] = None) -> RankPool:
     """The session-wide pool of `world_size` ranks on `device` (default: the harness's,
-    veragged.testing.device), created on first use and shut down at exit. Raises
+    tests.harness.device), created on first use and shut down at exit. Raises
     `unittest.SkipTest` where the device cannot hold that many ranks (GPUs: one each)."""
     device = device or test_device()
     check_devices(device, world_size)

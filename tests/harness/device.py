@@ -9,8 +9,8 @@ visible GPUs is skipped with the reason (`unittest.SkipTest`, which pytest repor
 as is every test when no GPU is visible. Tests that only make sense on the CPU carry
 `@pytest.mark.cpu_only("why")` (tests/conftest.py skips them on `cuda`).
 
-    from veragged.testing.device import mesh_device
-    mesh = init_device_mesh(mesh_device(), (2,))   # "cpu", or "cuda" under the GPU harness
+    from tests.harness.device import rank_device_type
+    mesh = init_device_mesh(rank_device_type(), (2,))   # "cpu", or "cuda" under the GPU harness
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import unittest
 
-__all__ = ["ENV", "backend_for", "check_devices", "mesh_device", "test_device"]
+__all__ = ["ENV", "backend_for", "check_devices", "rank_device_type", "test_device"]
 
 ENV = "VERAGGED_TEST_DEVICE"
 _DEVICES = ("cpu", "cuda")
@@ -34,7 +34,7 @@ def test_device() -> str:
     return device
 
 
-def mesh_device() -> str:
+def rank_device_type() -> str:
     """The device type for meshes a test builds: its rank's device inside a harness rank, the
     harness's device elsewhere."""
     return _RANK_DEVICE or test_device()

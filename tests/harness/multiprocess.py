@@ -17,7 +17,7 @@ from multiprocessing import get_context
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from unittest import mock
 
-from veragged.testing._procs import (
+from tests.harness._procs import (
     _KILL_WAIT_S,
     _THREAD_VARS,
     MultiRankError,
@@ -28,8 +28,8 @@ from veragged.testing._procs import (
     _raise_failures,
     _shutdown,
 )
-from veragged.testing.device import backend_for, check_devices, enter_rank, mesh_device, test_device
-from veragged.testing.pool import get_pool
+from tests.harness.device import backend_for, check_devices, enter_rank, rank_device_type, test_device
+from tests.harness.pool import get_pool
 
 if TYPE_CHECKING:  # torch is imported lazily so that importing this module stays cheap.
     from torch.distributed.device_mesh import DeviceMesh
@@ -70,13 +70,13 @@ def run_on_ranks(
 
     Each rank runs in its own process with `torch.distributed` initialised, a device mesh
     available through `get_mesh()` (CPU; CUDA under `VERAGGED_TEST_DEVICE=cuda`, see
-    veragged.testing.device), one intra-op thread, and `torch.manual_seed(0)` applied
+    tests.harness.device), one intra-op thread, and `torch.manual_seed(0)` applied
     identically on every rank so that tests can build the same data everywhere. As soon as a
     rank fails, the others (usually blocked in a collective) are killed after a short grace
     period; every wait is bounded by `timeout`.
 
     The ranks are those of the session's pool of `world_size` ranks (`get_pool`, see
-    veragged.testing.pool), started once and reused: a fresh rank costs seconds of CPU
+    tests.harness.pool), started once and reused: a fresh rank costs seconds of CPU
     (interpreter start, `import torch`), far more than most test jobs. So `fn` follows the
     pool's contract: it keeps no mesh or process group for a later call (the pool destroys the
     groups each call made) and leaves no process-wide setting changed. `fresh=True`, or a
@@ -132,7 +132,7 @@ def _on_mesh(fn: Callable[..., Any], mesh_shape: tuple[int, ...],
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    _MESH = init_device_mesh(mesh_device(), mesh_shape, mesh_dim_names=mesh_dim_names)
+    _MESH = init_device_mesh(rank_device_type(), mesh_shape, mesh_dim_names=mesh_dim_names)
     try:
         torch.manual_seed(0)  # identical on every rank on purpose: same data everywhere
         return fn(*args, **kwargs)
