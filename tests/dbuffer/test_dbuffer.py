@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from veragged.dbuffer.buffer import ALIGN_BYTES, DBuffer
-from veragged.placement.dtensor import RaggedDTensor
+from veragged.placement.tensor import RaggedDTensor
 from tests.harness import get_mesh, run_on_ranks
 from veragged.tools.write_counter import CopyCounter
 

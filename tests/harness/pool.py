@@ -208,7 +208,7 @@ def _release_job_groups() -> int:
     machine. A group's threads stop only once nothing references it, so the caches that hold
     meshes or specs are emptied too: torch's sharding propagation caches (they match meshes by
     value, so a later job's equal mesh would get a spec on this job's destroyed groups) and
-    veragged's spec and mesh caches. Jobs must not keep meshes from one job to the next; where
+    every veragged cache ([Note: module caches]). Jobs must not keep meshes from one job to the next; where
     something still does, the threads stay, and the parent restarts the pool once a rank has
     more than `_RECYCLE_THREADS`. Returns this rank's thread count (0 where /proc is missing).
     """
@@ -218,15 +218,14 @@ def _release_job_groups() -> int:
     from torch.distributed.distributed_c10d import GroupMember, _world
     from torch.distributed.tensor import DTensor
 
-    from veragged.dbuffer import spmd
     from veragged.optim import pieces
-    from veragged.placement import dtensor, norms
+    from veragged.runtime import caches
 
-    # Kept: the optimizers' groups per rank set (pieces._GROUPS, made once and reused by any
-    # later mesh). They are made with use_local_synchronization, whose names are hashes of the
-    # ranks: torch 2.11 gives a re-created one the destroyed one's name, and so its stale
-    # rendezvous keys in the store (its ranks then connect to closed ports).
-    kept = {id(pg) for pg in pieces._GROUPS.values()}
+    # Kept: the optimizers' groups per rank set (made once and reused by any later mesh). They
+    # are made with use_local_synchronization, whose names are hashes of the ranks: torch 2.11
+    # gives a re-created one the destroyed one's name, and so its stale rendezvous keys in the
+    # store (its ranks then connect to closed ports).
+    kept = {id(pg) for pg in pieces.domain_groups()}
     for pg in list(_world.pg_map):
         if pg is not GroupMember.WORLD and id(pg) not in kept:
             dist.destroy_process_group(pg)
@@ -236,8 +235,7 @@ def _release_job_groups() -> int:
     native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if native is not None:  # the C++ dispatch fast path's cache (newer torch)
         native()
-    for cache in (spmd._MESHES, dtensor._SPECS, norms._NORM_SPECS):
-        cache.clear()
+    caches.clear()  # veragged's: [Note: module caches]
     # Until a pass finds nothing: a fully_shard model (which holds its groups in its DBuffers)
     # can need more than one (one on a 2-D mesh was unreachable only after the first pass).
     for _ in range(4):
@@ -262,10 +260,8 @@ def _freeze_start_up() -> None:
     """Take what start-up imported (torch and veragged: ~300k objects) out of the collector's
     view (`gc.freeze`): `_release_job_groups` collects after every job, which cost 0.2 s of CPU
     per rank and job over those objects, and 1 ms without them."""
-    import veragged.dbuffer.spmd  # noqa: F401 - what _release_job_groups and most jobs import
-    import veragged.fsdp  # noqa: F401
+    import veragged  # noqa: F401 - what _release_job_groups and most jobs import
     import veragged.optim.pieces  # noqa: F401
-    import veragged.placement.norms  # noqa: F401
 
     gc.collect()
     gc.freeze()

@@ -8,7 +8,7 @@ shapes, 3 for 2-D ones).
 Mapping: veScale's `_break_ragged_box(box_shape, box_offset, ragged_dims, shape, shape, zeros)`
 (vescale/dtensor/vescale_utils/checkpoint.py) is veragged's box decomposition
 `torch.ops.veragged.flat_range_boxes(shape, begin, end)` (csrc/placement/boxes.h,
-[Note: flat range boxes]; used by veragged/checkpoint/ragged.py), which cuts a row-major flat range
+[Note: flat range boxes]; used by veragged/placement/boxes.py), which cuts a row-major flat range
 of the ragged dims into boxes; `_break_ragged_box` below applies it to the rectangle's range on
 the ragged axis and keeps the rectangle's range on every other dim, which is what veScale's
 function computes for a box of the ragged view. veScale's brute-force/random generators (shapes

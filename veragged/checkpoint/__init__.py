@@ -8,7 +8,6 @@ cannot), or through torch's own setters and `distribute_tensor` once
 `route_torch_entry_points()` is called ([Note: routing torch's entry points]).
 """
 
-from veragged.checkpoint.ragged import local_boxes
 from veragged.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -20,6 +19,7 @@ from veragged.checkpoint.torch_entry_points import (
     torch_entry_points_routed,
     unroute_torch_entry_points,
 )
+from veragged.placement.boxes import local_boxes
 
 __all__ = [
     "TorchEntryPointRouting",

@@ -41,7 +41,7 @@ from veragged.dbuffer.entries import Entry as _Entry, ragged_placement
 from veragged.dbuffer.grads import FLAG_ALIGN_BYTES, GradientPath
 from veragged.dbuffer.memory import ALIGN_BYTES, aligned_empty, alloc_storage, free_storage
 from veragged.placement.api import distribute_tensor
-from veragged.placement.dtensor import RaggedDTensor, make_spec
+from veragged.placement.tensor import RaggedDTensor, make_spec
 from veragged.placement.redistribute import redistribute
 from veragged.planner import plan
 from veragged.runtime.device import mesh_device

@@ -35,7 +35,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from veragged.dbuffer.buffer import DBuffer
 from veragged.dbuffer.entries import Entry as _Entry
-from veragged.placement.dtensor import make_spec
+from veragged.placement.tensor import make_spec
 
 __all__ = ["ReplicatedDBuffer"]
 

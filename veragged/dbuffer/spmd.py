@@ -41,14 +41,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from veragged.placement.dtensor import make_spec
+from veragged.placement.tensor import make_spec
 from veragged.placement.layout import normalize_placements
+from veragged.runtime import caches
 
 __all__ = ["SpmdParam", "spmd_param", "tp_block_size"]
 
 # (id(dp mesh), id(tp mesh)) -> (combined mesh, dp mesh, tp mesh): one combined mesh per pair,
 # so sharded parameters share it (specs are cached by mesh identity).
-_MESHES: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh, DeviceMesh]] = {}
+_MESHES: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh, DeviceMesh]] = caches.register(
+    "dbuffer.spmd combined meshes", {})
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from veragged.fsdp.module import FSDPModule, UnshardHandle
 from veragged.fsdp.state import FSDPState
 from veragged.fsdp.state_dict import register_state_dict_hooks
 from veragged.placement.collectives import alive
-from veragged.placement.dtensor import RaggedDTensor
+from veragged.placement.tensor import RaggedDTensor
+from veragged.runtime import caches
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
 
@@ -79,7 +80,8 @@ def _collect(modules: tuple[nn.Module, ...], ignored: set[int]):
     return list(found.values())
 
 
-_POST_FORWARD_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+_POST_FORWARD_GROUPS: dict[tuple, dist.ProcessGroup] = caches.register(
+    "fsdp.api post-forward groups", {})
 
 
 def _post_forward_group(mesh: DeviceMesh, k: int) -> dist.ProcessGroup:

@@ -41,7 +41,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from veragged.placement.dtensor import make_spec
+from veragged.placement.tensor import make_spec
+from veragged.runtime import caches
 
 try:  # torch >= 2.15
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
@@ -122,7 +123,7 @@ def _dp_submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     return mesh[names]._flatten("_".join(names))
 
 
-_FROM_DIMS: dict[tuple, DpMesh] = {}
+_FROM_DIMS: dict[tuple, DpMesh] = caches.register("fsdp.dp_mesh meshes by dims", {})
 
 
 def _from_dims(mesh: DeviceMesh, dims) -> DpMesh:
@@ -169,7 +170,8 @@ def resolve_mesh(mesh: DeviceMesh, dp_mesh_dims=None) -> DpMesh:
     return DpMesh(mesh)
 
 
-_FROM_INFO: dict[int, tuple[Any, DpMesh]] = {}
+_FROM_INFO: dict[int, tuple[Any, DpMesh]] = caches.register(
+    "fsdp.dp_mesh meshes by mesh info", {})
 
 
 def _from_info(info) -> DpMesh:

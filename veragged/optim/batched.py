@@ -33,12 +33,14 @@ from typing import Iterator, Sequence
 
 import torch
 
+from veragged.runtime import caches
+
 __all__ = ["aligned_stack", "aligned_empty", "chains", "enabled", "one_by_one", "verdicts"]
 
 STACK_ALIGN_BYTES = 256  # where each matrix of a stack starts ([Note: aligned owner inputs])
 OPERAND_ALIGN_BYTES = 64  # the least alignment an operand needs to take part in a batch
 
-_VERDICTS: dict = {}
+_VERDICTS: dict = caches.register("optim.batched probe verdicts", {})
 _OFF = [0]  # nesting depth of one_by_one()
 
 

@@ -9,11 +9,14 @@ import functools
 
 import torch
 
+from veragged.runtime import caches
+
 __all__ = ["adamw8bit_multi_step_", "adamw8bit_step_", "dynamic_map"]
 
 QMAP_SIZE = 256
 
 
+@caches.register_function("optim.kernels dynamic maps")
 @functools.lru_cache(maxsize=None)
 def _dynamic_map_cpu(signed: bool) -> torch.Tensor:
     # Dettmers' dynamic exponent/fraction code, built as bitsandbytes'

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from veragged.optim.batched import aligned_stack, enabled
+from veragged.runtime import caches
 
 __all__ = ["orthogonalize", "orthogonalize_batch", "interleave", "adjusted_lr",
            "DEFAULT_COEFFICIENTS"]
@@ -110,7 +111,7 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
 # normalisation divides each matrix by its own norm computed alone (a batched norm reduces in
 # another order).
 
-_BATCHABLE: dict = {}
+_BATCHABLE: dict = caches.register("optim.newton_schulz probe verdicts", {})
 
 
 def _newton_schulz_batch(gs: Sequence[torch.Tensor], coefficients: Sequence[float], steps: int,

@@ -40,10 +40,17 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from veragged.placement.collectives import alive
 from veragged.placement.ragged_shard import RaggedShard
 
-__all__ = ["MatrixLayout", "check_placements", "domain_group", "matrix_layout", "shard_blocks",
-           "slice_layout"]
+__all__ = ["MatrixLayout", "check_placements", "domain_group", "domain_groups", "matrix_layout",
+           "shard_blocks", "slice_layout"]
 
+# Sorted ranks -> the optimizers' process group over them, made once and reused by any later
+# mesh (domain_group). Not a cache ([Note: module caches]): a group is kept, not re-made.
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def domain_groups() -> list[dist.ProcessGroup]:
+    """The process groups the optimizers made so far (one per set of ranks)."""
+    return list(_GROUPS.values())
 
 
 def pick(seq: Sequence, order: Sequence[int]) -> list:

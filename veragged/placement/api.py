@@ -9,24 +9,36 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, _mesh_resources
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import distribute_tensor as _torch_distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from veragged.placement import collectives as coll
-from veragged.placement.dtensor import (
-    RaggedDTensor,
-    _FromLocal,
-    accumulate_grads_locally,
-    make_spec,
-    routed,
-)
 from veragged.placement.layout import (
     check_placements,
     normalize_placements,
     ragged_layout,
     ragged_mesh_dim,
 )
+from veragged.placement.redistribute import redistribute
+from veragged.placement.tensor import RaggedDTensor, accumulate_grads_locally, make_spec, routed
 
 __all__ = ["distribute_tensor", "from_local", "local_numel_and_offset"]
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec, grad_placements):
+        ctx.shape, ctx.grad_placements = local.shape, grad_placements
+        return RaggedDTensor(
+            local.reshape(-1).view_as(local.reshape(-1)), spec, requires_grad=local.requires_grad
+        )
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        if ctx.grad_placements is not None:
+            grad = redistribute(grad, grad.device_mesh, ctx.grad_placements)
+        return grad._local_tensor.reshape(ctx.shape), None, None
+
 
 
 def _mesh(device_mesh: DeviceMesh | None) -> DeviceMesh:
@@ -150,9 +162,6 @@ def from_local(
         local_tensor, spec, tuple(grad_placements) if grad_placements is not None else None
     )
 
-
-# `veragged.DTensor.from_local(...)` reads like torch's `DTensor.from_local(...)`.
-RaggedDTensor.from_local = staticmethod(from_local)
 
 
 def local_numel_and_offset(

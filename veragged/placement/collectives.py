@@ -33,6 +33,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from veragged.runtime import caches
+
 __all__ = [
     "Pending",
     "alive",
@@ -110,6 +112,7 @@ class _Ragged:
     pads: list[int]  # padding after each rank's piece
 
 
+@caches.register_function("placement.collectives ragged splits")
 @functools.lru_cache(maxsize=4096)
 def _ragged(bounds: tuple[int, ...]) -> _Ragged:
     sizes = np.diff(np.asarray(bounds, dtype=np.int64))

@@ -40,6 +40,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from veragged.placement.layout import spec_layout
 from veragged.placement.ragged_shard import RaggedShard, StridedRaggedShard
+from veragged.placement.tensor import RaggedDTensor, as_ragged, cached_spec, make_spec
 
 __all__ = ["FACTORY_FUNCTIONS", "FACTORY_PACKETS", "getitem", "select", "setitem"]
 
@@ -73,8 +74,6 @@ def _size(name: str, size) -> tuple[int, ...]:
 def new_factory(func, name: str, args, kwargs):
     """`func` (`Tensor.new_*` or `aten.new_*`) on the RaggedDTensor `args[0]`; see
     [Note: new_* factories on RaggedShard]."""
-    from veragged.placement.dtensor import RaggedDTensor, as_ragged, cached_spec, make_spec
-
     dt = as_ragged(args[0])
     kwargs = dict(kwargs)
     requires_grad = bool(kwargs.pop("requires_grad", False))
@@ -126,8 +125,6 @@ def _select_unsupported(dt, what: str) -> NotImplementedError:
 def select(dt, dim: int, index: int):
     """`dt[index]` along `dim` (= 0) as a RaggedDTensor view; see
     [Note: integer indexing of RaggedShard]."""
-    from veragged.placement.dtensor import RaggedDTensor, cached_spec
-
     shape = tuple(dt.shape)
     what = f"select(dim={dim}, index={index})"
     if not shape:

@@ -25,23 +25,16 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from veragged.placement.tensor import RaggedDTensor, cached_spec
+
 __all__ = ["SLOW", "elementwise", "per_position"]
 
 SLOW = object()  # "take the general path"; returned before the op has run
-_RAGGED: type | None = None  # RaggedDTensor, bound by dtensor.py (it imports this module)
+_RAGGED = RaggedDTensor
 _Tensor = torch.Tensor
 _DTensor = DTensor
 _no_subclass_function = torch._C.DisableTorchFunctionSubclass
 _grad_enabled = torch.is_grad_enabled
-
-
-def bind(ragged_type: type) -> None:
-    global _RAGGED
-    _RAGGED = ragged_type
-
-
-def ragged_type() -> type:
-    return _RAGGED
 
 
 def _same_spec(a, b) -> bool:
@@ -74,8 +67,6 @@ def _wrap(t, spec):
 
 def _retype(spec, dtype):
     """`spec` for an output of another dtype (a comparison's bool, a cast)."""
-    from veragged.placement.dtensor import cached_spec
-
     meta = spec.tensor_meta
     return cached_spec(spec.mesh, spec.placements, meta.shape, dtype, meta.stride)
 

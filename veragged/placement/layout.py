@@ -26,7 +26,7 @@ checkpoint boxes:
   and ranks would disagree on whether the placements are valid. Blocks then differ in shape (or
   are empty) between coordinates of the other mesh dims, but never inside one process group of
   the ragged mesh dim (its ranks share every other coordinate): bounds, the ragged collectives
-  and the checkpoint boxes (veragged/checkpoint/ragged.py, offsets from torch's block offsets)
+  and the checkpoint boxes (boxes.py, offsets from torch's block offsets)
   are per block and stay consistent; torch's own redistribute handles the uneven dims.
 Every check here depends only on shapes and the mesh, so all ranks raise or pass together.
 """
@@ -44,6 +44,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from veragged.placement.ragged_shard import RaggedShard, StridedRaggedShard
+from veragged.runtime import caches
 
 __all__ = [
     "RaggedLayout",
@@ -243,6 +244,7 @@ class RaggedLayout:
         return max(b[r + 1] - b[r] for r in range(len(b) - 1))
 
 
+@caches.register_function("placement.layout ragged layouts")
 @functools.lru_cache(maxsize=4096)
 def _ragged_layout(
     shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]

@@ -53,68 +53,31 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._ops import _math_ops
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
-from veragged.placement import fastpath
 from veragged.placement.ragged_dim_reduce import _Record, norm_reduction, reduce_over_dims
-from veragged.placement.reductions import (
-    _check_grad,
-    _reduce_dims,
-    _split_input,
+from veragged.placement.reduce_parts import (
     all_reduce,
+    check_grad,
+    norm_finish,
+    norm_part,
+    norm_reduce_op,
+    reduce_mesh_dims,
     result_dtensor,
+    split_input,
 )
+from veragged.placement.tensor import RaggedDTensor, as_ragged
+from veragged.runtime import caches
 
 __all__ = ["NORM_FUNCTIONS", "NORM_PACKETS"]
 
 aten = torch.ops.aten
 
-_WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
-
-
-def _ragged(x):
-    from veragged.placement.dtensor import as_ragged
-
-    return as_ragged(x)
-
-
-def _reduce_op(ord: float):
-    return {math.inf: dist.ReduceOp.MAX, -math.inf: dist.ReduceOp.MIN}.get(ord, dist.ReduceOp.SUM)
-
-
-def _part(t: torch.Tensor, ord: float, dims=None, dtype=None, keepdim=False) -> torch.Tensor:
-    """The float64 partial of `t` over `dims` (None: all) whose all-reduce gives the norm:
-    sum |x|^ord, max |x| (inf), min |x| (-inf) or the count of nonzeros (0)."""
-    if dtype is not None:
-        t = t.to(dtype)  # torch casts the input first
-    if dims is None and t.numel() == 0:  # the identity; torch's norm of an empty shard raises
-        # a fill, not torch.tensor(..., device=): that copies from pageable host memory and
-        # syncs the host with an accelerator's stream
-        return torch.full((), math.inf if ord == -math.inf else 0.0, dtype=torch.float64,
-                          device=t.device)
-    if ord == 0:
-        count = torch.count_nonzero(t, dims).to(torch.float64)
-        if keepdim and dims is not None:
-            count = count.reshape([1 if d in dims else s for d, s in enumerate(t.shape)])
-        return count
-    if ord in (math.inf, -math.inf):
-        return torch.linalg.vector_norm(t, ord, dims, keepdim).to(torch.float64)
-    norm = torch.linalg.vector_norm(t, ord, dims, keepdim, dtype=_WIDE.get(t.dtype))
-    return norm.to(torch.float64).pow(ord)
-
-
-def _finish(part: torch.Tensor, ord: float) -> torch.Tensor:
-    """The norm from an all-reduced partial (still float64)."""
-    if ord in (0, math.inf, -math.inf):
-        return part
-    return part.sqrt() if ord == 2 else part.pow(1.0 / ord)
-
-
-_META_NORMS: dict = {}  # argument key -> torch's meta result (cached: it only depends on them)
+# argument key -> torch's meta result (cached: it only depends on them)
+_META_NORMS: dict = caches.register("placement.norms meta results", {})
 
 
 def _meta_norm(dt, ord, dim, keepdim, dtype) -> torch.Tensor:
@@ -141,21 +104,21 @@ def _meta_norm(dt, ord, dim, keepdim, dtype) -> torch.Tensor:
 
 def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     """`torch.linalg.vector_norm` / `aten.linalg_vector_norm`; see [Note: norms on RaggedShard]."""
-    dt = _ragged(x)
+    dt = as_ragged(x)
     if out is not None:
         raise NotImplementedError(
             "torch.linalg.vector_norm(out=...) is not supported on RaggedShard DTensors"
         )
     meta = _meta_norm(dt, ord, dim, keepdim, dtype)
-    _check_grad("linalg.vector_norm", dt, meta.dtype)
+    check_grad("linalg.vector_norm", dt, meta.dtype)
     ord = float(ord)
     ndim = len(dt._spec.tensor_meta.shape)
     given = () if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
     dims = sorted({d % ndim for d in given}) if ndim else []
     if meta.numel() == 1 or not dims or len(dims) == ndim:
-        mesh_dims, placements = _reduce_dims("linalg.vector_norm", dt)
-        part = _part(dt._local_tensor, ord, dtype=dtype)
-        norm = _finish(all_reduce(part, _reduce_op(ord), dt.device_mesh, mesh_dims), ord)
+        mesh_dims, placements = reduce_mesh_dims("linalg.vector_norm", dt)
+        part = norm_part(dt._local_tensor, ord, dtype=dtype)
+        norm = norm_finish(all_reduce(part, norm_reduce_op(ord), dt.device_mesh, mesh_dims), ord)
         value = norm.to(meta.dtype).reshape(meta.shape)
         return result_dtensor(value, dt.device_mesh, placements)
     # [Note: reductions over ragged-sharded dims] (inside or after the ragged-sharded rows)
@@ -174,13 +137,13 @@ def _norm_placement(ord: float) -> Placement:
 def _foreach_norm(tensors, ord=2, dtype=None):
     """`torch._foreach_norm` of RaggedShard DTensors: per tensor, this rank's norm as a 0-dim
     DTensor, partial over the sharded mesh dims ([Note: norms on RaggedShard])."""
-    ragged = fastpath.ragged_type()
+    ragged = RaggedDTensor
     # All RaggedShard: ops.py splits mixed lists.
-    tensors = [t if type(t) is ragged else _ragged(t) for t in tensors]
+    tensors = [t if type(t) is ragged else as_ragged(t) for t in tensors]
     ord = float(ord)
     if torch.is_grad_enabled():
         for t in tensors:
-            _check_grad("_foreach_norm", t, dtype or t.dtype.to_real())
+            check_grad("_foreach_norm", t, dtype or t.dtype.to_real())
     # A shard with no element (of a tensor with some) holds the reduction's identity; the others
     # (and tensors with no element anywhere: torch's result or error) take torch's kernel.
     # Every read below is of the local tensor or the spec: a metadata read of the DTensor itself
@@ -221,7 +184,7 @@ def _foreach_norm(tensors, ord=2, dtype=None):
 
 # (id(placements), id(mesh), ord, dtype) -> (placements, mesh, the norms' spec): the entry keeps
 # the placements and mesh alive, so their ids are not reused while it is there.
-_NORM_SPECS: dict = {}
+_NORM_SPECS: dict = caches.register("placement.norms norm specs", {})
 
 
 def _norm_spec(given: tuple, mesh, ord: float, dtype) -> DTensorSpec:
@@ -243,8 +206,8 @@ def _composite(name: str, fn):
     norm runs on the DTensor."""
 
     def handler(*args, **kwargs):
-        x, rest, kw = _split_input(args, kwargs)
-        dt = _ragged(x)
+        x, rest, kw = split_input(args, kwargs)
+        dt = as_ragged(x)
         meta = torch.empty(dt.shape, dtype=dt.dtype, device="meta")
         with _Record() as record:
             fn(meta, *rest, **kw)  # raises torch's own errors for bad arguments

@@ -14,7 +14,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate
 from torch.utils._pytree import tree_map
 
-from veragged.placement import fastpath
+from veragged.placement.layout import spec_layout
+from veragged.placement.tensor import RaggedDTensor, as_ragged
 
 __all__ = ["is_ragged_dt", "name_of", "unwrap", "wrap"]
 
@@ -22,7 +23,7 @@ aten = torch.ops.aten
 
 
 def is_ragged_dt(x) -> bool:
-    return isinstance(x, fastpath.ragged_type())
+    return isinstance(x, RaggedDTensor)
 
 
 def _same_layout(a: DTensor, b: DTensor) -> bool:
@@ -81,8 +82,6 @@ def _local_rows(name: str, t: torch.Tensor, ref: DTensor, copy_source: bool = Fa
     values)`, torchtitan's fused-QKV init). The destination of an in-place op must be the
     RaggedShard DTensor itself: writing into a plain or Replicate tensor from a RaggedShard one
     would fill only this rank's part of it, so it raises (gather with `.full_tensor()` first)."""
-    from veragged.placement.layout import spec_layout
-
     if isinstance(t, DTensor):
         if t.device_mesh != ref.device_mesh or not all(
                 isinstance(p, Replicate) for p in t.placements):
@@ -125,8 +124,6 @@ def _local_rows(name: str, t: torch.Tensor, ref: DTensor, copy_source: bool = Fa
 
 
 def _as_ragged(x):
-    from veragged.placement.dtensor import as_ragged
-
     return as_ragged(x) if isinstance(x, DTensor) else x
 
 
@@ -230,8 +227,6 @@ def unwrap(name: str, args, kwargs, func=None):
 def wrap(out, refs, locals_to_dt):
     """Wrap local outputs as RaggedDTensors: output i of a `_foreach_*` op takes the layout of
     list position i, any other output the layout shared by the DTensor operands."""
-    from veragged.placement.dtensor import RaggedDTensor
-
     lists = any(slot >= 0 for slot in refs)
 
     def one(t, slot: int):

@@ -76,6 +76,10 @@ from veragged.placement.random_ops import (
     random_op,
 )
 from veragged.placement.reductions import REDUCTION_FUNCTIONS, REDUCTION_PACKETS
+from veragged.placement.tensor import META as _META
+from veragged.placement.tensor import OP_KINDS as _KINDS
+from veragged.placement.tensor import accumulate_grads_locally
+from veragged.runtime import caches
 
 __all__ = ["handle_torch_function"]
 
@@ -287,8 +291,7 @@ def _classify(func) -> int:
     return _ELEMENTWISE_OP
 
 
-_META, _META_SET, _LISTS, _ELEMENTWISE_OP, _GENERAL = range(5)
-_KINDS: dict = {}
+_META_SET, _LISTS, _ELEMENTWISE_OP, _GENERAL = range(1, 5)  # _META is 0 (tensor.py)
 _no_subclass_function = torch._C.DisableTorchFunctionSubclass
 
 
@@ -336,8 +339,6 @@ def _handle_torch_function(func, args, kwargs):
     elif kind is _META_SET:
         with _no_subclass_function():
             out = func(*args, **kwargs)
-        from veragged.placement.dtensor import accumulate_grads_locally
-
         accumulate_grads_locally(args[0])
         return out
     out = _split_mixed(func, args, kwargs)
@@ -378,7 +379,7 @@ def _handle_torch_function(func, args, kwargs):
     return _wrap(out, refs, locals_to_dt)
 
 
-_ELEMENTWISE: dict = {}
+_ELEMENTWISE: dict = caches.register("placement.ops element-wise verdicts", {})
 
 
 def _takes_tensors(t) -> bool:

@@ -55,7 +55,17 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from veragged.placement.reductions import _acc_dtype, _identity, all_reduce
+from veragged.placement.boxes import row_boxes
+from veragged.placement.layout import normalize_placements, spec_layout
+from veragged.placement.reduce_parts import (
+    acc_dtype,
+    all_reduce,
+    identity,
+    norm_finish,
+    norm_part,
+    norm_reduce_op,
+)
+from veragged.placement.tensor import RaggedDTensor, make_spec
 
 __all__ = ["DIM_REDUCTIONS", "Reduction", "norm_reduction", "reduce_dims", "reduce_over_dims"]
 
@@ -114,11 +124,11 @@ def _reduction(name: str, dims: list[int], shape, dtype, out_dtype) -> Reduction
     if name in ("amax", "amin"):
         high = name == "amin"
         return Reduction(
-            name, lambda t, d: fn(t, d, keepdim=True).to(_acc_dtype(out_dtype)),
+            name, lambda t, d: fn(t, d, keepdim=True).to(acc_dtype(out_dtype)),
             lambda t, d, keep: fn(t, d, keep), torch.minimum if high else torch.maximum,
             dist.ReduceOp.MIN if high else dist.ReduceOp.MAX,
-            int(_identity(name, out_dtype)) if out_dtype == torch.bool
-            else _identity(name, out_dtype), _acc_dtype(out_dtype),
+            int(identity(name, out_dtype)) if out_dtype == torch.bool
+            else identity(name, out_dtype), acc_dtype(out_dtype),
         )
     if name in ("all", "any"):
         every = name == "all"
@@ -132,15 +142,13 @@ def _reduction(name: str, dims: list[int], shape, dtype, out_dtype) -> Reduction
 
 def norm_reduction(ord: float, dtype) -> Reduction:
     """`torch.linalg.vector_norm(ord, dtype=dtype)` as a Reduction (partials from norms.py)."""
-    from veragged.placement.norms import _finish, _part, _reduce_op
-
     combine = {math.inf: torch.maximum, -math.inf: torch.minimum}.get(ord, torch.add)
     return Reduction(
         "linalg.vector_norm",
-        lambda t, d: _part(t, ord, d, dtype, keepdim=True),
+        lambda t, d: norm_part(t, ord, d, dtype, keepdim=True),
         lambda t, d, keep: torch.linalg.vector_norm(t, ord, d, keep, dtype=dtype),
-        combine, _reduce_op(ord), math.inf if ord == -math.inf else 0.0, torch.float64,
-        lambda t: _finish(t, ord),
+        combine, norm_reduce_op(ord), math.inf if ord == -math.inf else 0.0, torch.float64,
+        lambda t: norm_finish(t, ord),
     )
 
 
@@ -210,8 +218,6 @@ def normalize_dims(dim, ndim: int) -> list[int]:
 def reduce_over_dims(kind: Reduction, dt, dims: list[int], keepdim: bool, meta, call: str):
     """`kind` over `dims` (sorted, non-negative, not every dim) of RaggedShard DTensor `dt`; `meta`
     is torch's output on the global meta tensor. See [Note: reductions over ragged-sharded dims]."""
-    from veragged.placement.layout import spec_layout
-
     layout = spec_layout(dt._spec)
     k = len(layout.placement.dims)
     inside = dims[0] < k
@@ -250,9 +256,6 @@ def _combined(kind: Reduction, part: torch.Tensor, mesh, combine: list[int], out
 
 def _after_rows(kind, dt, layout, dims, keepdim, meta, placements, combine):
     """R outside the rows: this rank's rows reduced locally, still RaggedShard."""
-    from veragged.placement.dtensor import RaggedDTensor, make_spec
-    from veragged.placement.layout import normalize_placements
-
     k = len(layout.placement.dims)
     view = dt._local_tensor.reshape(layout.end - layout.begin, *layout.block_shape[k:])
     local_dims = tuple(d - k + 1 for d in dims)
@@ -267,9 +270,6 @@ def _after_rows(kind, dt, layout, dims, keepdim, meta, placements, combine):
 
 def _over_rows(kind, dt, layout, dims, keepdim, meta, placements, combine):
     """R meets the rows: per-box partials, one all-reduce per combined mesh dim."""
-    from veragged.checkpoint.ragged import row_boxes
-    from veragged.placement.dtensor import make_spec
-
     k = len(layout.placement.dims)
     block, rest = layout.block_shape, layout.block_shape[k:]
     reduced = set(dims)

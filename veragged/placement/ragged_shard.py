@@ -49,7 +49,7 @@ _REPR_MAX_UNITS = 16  # longer local_units are summarised in repr
 # frame lookup. A mesh dim of size 1 never reaches the question (torch skips it), and there a
 # RaggedShard holds what Replicate holds, so the relabelling is right. DTensors veragged hands
 # out route `.redistribute` to veragged.redistribute instead ([Note: DTensors veragged hands
-# out], dtensor.py), so only DTensors made by torch itself reach this error.
+# out], tensor.py), so only DTensors made by torch itself reach this error.
 _TORCH_REDISTRIBUTE = redistribute_local_tensor.__code__
 
 

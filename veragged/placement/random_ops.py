@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial
 
 from veragged.placement.layout import spec_layout
+from veragged.placement.tensor import RaggedDTensor, as_ragged
 
 __all__ = ["RANDOM_FUNCTIONS", "RANDOM_PACKETS", "local_piece", "patched_init", "random_op"]
 
@@ -110,8 +111,6 @@ def random_op(func, args, kwargs):
     `func` is a Tensor method / torch function (from `__torch_function__`) or an aten overload
     (from `__torch_dispatch__`).
     """
-    from veragged.placement.dtensor import RaggedDTensor, as_ragged
-
     name = _op_name(func)
     if not args:  # the tensor given by keyword
         kwargs = dict(kwargs)

@@ -30,9 +30,9 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from veragged.placement import collectives as coll
-from veragged.placement.dtensor import RaggedDTensor, as_ragged, make_spec, routed
 from veragged.placement.layout import normalize_placements, ragged_layout, ragged_mesh_dim
 from veragged.placement.ragged_shard import RaggedShard
+from veragged.placement.tensor import RaggedDTensor, as_ragged, make_spec, routed
 
 __all__ = ["RedistributeHandle", "redistribute"]
 

@@ -40,12 +40,24 @@ plain tensor; that is torch's code and works unchanged.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate
+
+from veragged.placement.ragged_dim_reduce import reduce_dims
+from veragged.placement.redistribute import redistribute
+from veragged.placement.reduce_parts import (
+    acc_dtype,
+    all_reduce,
+    check_grad,
+    identity,
+    local_float_dtype,
+    reduce_mesh_dims,
+    result_dtensor,
+    split_input,
+)
+from veragged.placement.tensor import RaggedDTensor, as_ragged
 
 __all__ = ["REDUCTION_FUNCTIONS", "REDUCTION_PACKETS", "all_reduce"]
 
@@ -54,68 +66,9 @@ aten = torch.ops.aten
 _SUM_LIKE = ("sum", "nansum", "mean")
 
 
-def _ragged(x):
-    from veragged.placement.dtensor import as_ragged
-
-    return as_ragged(x)
-
-
-def _reduce_dims(name: str, dt: DTensor) -> tuple[list[int], tuple]:
-    """Mesh dims to all-reduce over, and the output placements."""
-    dims, placements = [], []
-    for j, p in enumerate(dt.placements):
-        if isinstance(p, Replicate):
-            placements.append(p)
-        elif isinstance(p, Partial):
-            if name not in ("sum", "mean") or p.reduce_op not in ("sum", "avg"):
-                raise NotImplementedError(
-                    f"{name} of a RaggedShard DTensor with Partial placements {dt.placements}: "
-                    "only sum and mean keep a Partial(sum/avg) mesh dim; reduce it first"
-                )
-            placements.append(p)
-        else:
-            dims.append(j)
-            placements.append(Replicate())
-    return dims, tuple(placements)
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the cross-rank all-reduce runs in (exact for max/min of every real dtype)."""
-    if dtype.is_floating_point:
-        return torch.float64
-    if dtype.is_complex or dtype == torch.uint64:
-        return dtype
-    return torch.int64
-
-
-def _local_float_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _identity(name: str, dtype: torch.dtype) -> float | int | bool:
-    """The value an empty shard contributes to max/min (`dtype` is the output dtype)."""
-    high = name in ("min", "amin")
-    if dtype == torch.bool:
-        return high
-    if dtype.is_floating_point:
-        return math.inf if high else -math.inf
-    info = torch.iinfo(dtype)
-    return info.max if high else info.min
-
-
-def _check_grad(name: str, dt: DTensor, out_dtype: torch.dtype) -> None:
-    if torch.is_grad_enabled() and dt.requires_grad and (
-        out_dtype.is_floating_point or out_dtype.is_complex
-    ):
-        raise NotImplementedError(
-            f"{name}: autograd does not flow through reductions of RaggedShard DTensors; run it "
-            "under torch.no_grad() or redistribute to Replicate/Shard first"
-        )
-
-
 def _reduce(name: str, fn, x, args: tuple, kwargs: dict):
     """`fn(x, *args, **kwargs)` for a reduction `name` that must cover every element."""
-    dt = _ragged(x)
+    dt = as_ragged(x)
     if kwargs.get("out") is not None:
         raise NotImplementedError(f"torch.{name}(out=...) is not supported on RaggedShard DTensors")
     kwargs = {k: v for k, v in kwargs.items() if k != "out"}
@@ -132,19 +85,17 @@ def _reduce(name: str, fn, x, args: tuple, kwargs: dict):
         )
     out_dtype = out.dtype
     meta = fn(torch.empty(dt.shape, dtype=dt.dtype, device="meta"), *args, **kwargs)
-    _check_grad(name, dt, out_dtype)
+    check_grad(name, dt, out_dtype)
     if meta.numel() != 1:  # some dims: [Note: reductions over ragged-sharded dims]
-        from veragged.placement.ragged_dim_reduce import reduce_dims
-
         return reduce_dims(name, fn, dt, args, kwargs, meta)
-    mesh_dims, placements = _reduce_dims(name, dt)
-    acc = _acc_dtype(out_dtype)
+    mesh_dims, placements = reduce_mesh_dims(name, dt)
+    acc = acc_dtype(out_dtype)
     if name in _SUM_LIKE:
         sum_fn = torch.nansum if name == "nansum" else torch.sum
-        part = sum_fn(local, dtype=_local_float_dtype(out_dtype)).to(acc)
+        part = sum_fn(local, dtype=local_float_dtype(out_dtype)).to(acc)
         op = dist.ReduceOp.SUM
     elif name == "prod":
-        part = torch.prod(local, dtype=_local_float_dtype(out_dtype)).to(acc)
+        part = torch.prod(local, dtype=local_float_dtype(out_dtype)).to(acc)
         op = dist.ReduceOp.PRODUCT
     elif name in ("all", "any"):
         part = fn(local).to(torch.int64)  # empty: True / False
@@ -154,7 +105,7 @@ def _reduce(name: str, fn, x, args: tuple, kwargs: dict):
         if local.numel():
             part = (torch.amin if high else torch.amax)(local).to(acc)
         else:
-            part = torch.tensor(_identity(name, out_dtype), dtype=acc, device=local.device)
+            part = torch.tensor(identity(name, out_dtype), dtype=acc, device=local.device)
         op = dist.ReduceOp.MIN if high else dist.ReduceOp.MAX
     part = all_reduce(part, op, dt.device_mesh, mesh_dims)
     if name == "mean":
@@ -163,48 +114,9 @@ def _reduce(name: str, fn, x, args: tuple, kwargs: dict):
     return result_dtensor(value, dt.device_mesh, placements)
 
 
-def result_dtensor(value: torch.Tensor, mesh, placements) -> DTensor:
-    """`DTensor.from_local(value, mesh, placements, run_check=False)` for a reduction's result
-    (Replicate or Partial placements, so its global shape is its local one), built directly:
-    these results carry no autograd, so from_local's autograd function is not needed."""
-    from veragged.placement.dtensor import cached_spec
-
-    spec = cached_spec(mesh, placements, value.shape, value.dtype, value.stride())
-    return DTensor(value, spec, requires_grad=False)
-
-
-def all_reduce(part: torch.Tensor, op, mesh, mesh_dims) -> torch.Tensor:
-    """`part` all-reduced with `op` over `mesh_dims` of `mesh`, one collective per mesh dim.
-
-    A floating MAX/MIN carries NaN as a separate flag, since gloo's max/min may drop a NaN: a NaN
-    on any rank gives NaN, as torch's max/min of the whole tensor does.
-    """
-    # A mesh dim of one rank has nothing to combine (torch's redistribute skips it too).
-    mesh_dims = [j for j in mesh_dims if mesh.size(j) > 1]
-    extremum = op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN)
-    if not (mesh_dims and extremum and part.is_floating_point()):
-        for j in mesh_dims:
-            dist.all_reduce(part, op=op, group=mesh.get_group(j))
-        return part
-    sign = 1.0 if op == dist.ReduceOp.MAX else -1.0
-    nan = torch.isnan(part)
-    both = torch.stack([part.masked_fill(nan, -sign * math.inf), nan.to(part.dtype) * sign])
-    for j in mesh_dims:
-        dist.all_reduce(both, op=op, group=mesh.get_group(j))
-    return both[0].masked_fill(both[1] != 0, math.nan)
-
-
-def _split_input(args: tuple, kwargs: dict):
-    """(input, other args, other kwargs), with `input=` (or aten's `self=`) given by keyword."""
-    if args:
-        return args[0], args[1:], kwargs
-    kwargs = dict(kwargs)
-    return kwargs.pop("input", kwargs.pop("self", None)), (), kwargs
-
-
 def _reduction(name: str, fn):
     def handler(*args, **kwargs):
-        x, args, kwargs = _split_input(args, kwargs)
+        x, args, kwargs = split_input(args, kwargs)
         return _reduce(name, fn, x, args, kwargs)
 
     return handler
@@ -214,7 +126,7 @@ def _extremum(name: str, fn):
     """max/min: the full reduction, or NotImplemented for the binary (element-wise) form."""
 
     def handler(*args, **kwargs):
-        x, args, kwargs = _split_input(args, kwargs)
+        x, args, kwargs = split_input(args, kwargs)
         other = args[0] if args else kwargs.get("other")
         if isinstance(other, torch.Tensor):
             return NotImplemented  # torch.max(a, b): element-wise, served by the generic path
@@ -232,10 +144,7 @@ def _extremum(name: str, fn):
 def _pair(name: str, input, other):
     """(x, y, ref): both operands as DTensors with the layout of the RaggedShard one (`ref`), one
     redistribution if they differ; y is None if the shapes differ."""
-    from veragged.placement.dtensor import RaggedDTensor
-    from veragged.placement.redistribute import redistribute
-
-    x, y = _ragged(input), _ragged(other)
+    x, y = as_ragged(input), as_ragged(other)
     ref = x if isinstance(x, RaggedDTensor) else y
     for t in (x, y):
         if not isinstance(t, DTensor):
@@ -292,14 +201,14 @@ def _allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
 
     sx, sy = scalar(input), scalar(other)
     if sx is not None or sy is not None:
-        ref = _ragged(other if sx is not None else input)
+        ref = as_ragged(other if sx is not None else input)
         lx = sx if sx is not None else ref._local_tensor
         ly = sy if sy is not None else ref._local_tensor
     else:
         x, y, ref = _pair("allclose", input, other)
         if y is None:
             raise RuntimeError(
-                f"torch.allclose: shapes {list(x.shape)} and {list(_ragged(other).shape)} differ"
+                f"torch.allclose: shapes {list(x.shape)} and {list(as_ragged(other).shape)} differ"
             )
         lx, ly = x._local_tensor, y._local_tensor
     with torch._C.DisableTorchFunctionSubclass():
@@ -308,9 +217,7 @@ def _allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
 
 
 def _ragged_instance(t) -> bool:
-    from veragged.placement.dtensor import RaggedDTensor
-
-    return isinstance(_ragged(t), RaggedDTensor)
+    return isinstance(as_ragged(t), RaggedDTensor)
 
 
 def _tables():

@@ -9,6 +9,8 @@ from typing import Sequence
 
 import torch
 
+from veragged.runtime import caches
+
 __all__ = ["Layout", "plan", "ORDERS"]
 
 #: Tensor orders the planner tries, in its tie-breaking preference (csrc/planner/planner.h).
@@ -114,6 +116,7 @@ def _as_ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
     return tuple(_as_int(f"{name}[{i}]", v) for i, v in enumerate(out))
 
 
+@caches.register_function("planner plans")
 @functools.lru_cache(maxsize=512)
 def _plan_cached(
     numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int, align: int

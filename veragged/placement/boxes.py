@@ -1,4 +1,4 @@
-"""Distributed checkpoint hooks of RaggedShard DTensors: each rank's range as rectangular boxes.
+"""A rank's rows of a RaggedShard as rectangular boxes, and the checkpoint hooks built on them.
 
 DCP describes a rank's share of a tensor as N-D boxes (`ChunkStorageMetadata`) and reshards on
 load by intersecting the saved boxes with the loading ones, so any two layouts that describe
@@ -6,7 +6,10 @@ themselves as boxes load into each other: other world sizes, other `local_units`
 `Shard(0)`, plain tensors. A rank's rows of a RaggedShard are a contiguous row-major range of the
 block's flattened `dims`; `torch.ops.veragged.flat_range_boxes` cuts it into at most 2k-1 boxes
 (see [Note: flat range boxes]), each a contiguous slice of the local tensor, so saving reads and
-loading writes the local storage through views: no communication, no copy.
+loading writes the local storage through views: no communication, no copy. Reductions over
+ragged-sharded dims reduce box by box (ragged_dim_reduce.py). `RaggedDTensor`'s DCP hooks
+(`__create_write_items__`, ...) call the functions at the bottom; `veragged.checkpoint.local_boxes`
+is this module's `local_boxes`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor.placement_types import Partial
 
 from veragged.placement.layout import ragged_layout
+from veragged.runtime import caches
 
 __all__ = [
     "create_chunk_list", "create_write_items", "get_tensor_shard", "local_boxes", "row_boxes",
@@ -37,6 +41,7 @@ class Box(NamedTuple):
     start: int  # flat offset of the box's first element in the local tensor
 
 
+@caches.register_function("placement.boxes row boxes")
 @functools.lru_cache(maxsize=4096)
 def row_boxes(prefix: tuple[int, ...], begin: int, end: int) -> tuple[tuple, ...]:
     """Rows `[begin, end)` of the row-major flattening of a block's leading dims `prefix` as at
@@ -60,6 +65,7 @@ def row_boxes(prefix: tuple[int, ...], begin: int, end: int) -> tuple[tuple, ...
     return tuple(boxes)
 
 
+@caches.register_function("placement.boxes local boxes")
 @functools.lru_cache(maxsize=4096)
 def _local_boxes(shape: tuple[int, ...], mesh, placements: tuple) -> tuple[Box, ...]:
     layout = ragged_layout(shape, mesh, placements)

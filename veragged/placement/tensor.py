@@ -1,32 +1,72 @@
-"""`RaggedDTensor`: the DTensor subclass that carries RaggedShard placements.
+"""`RaggedDTensor`, the DTensor subclass that carries RaggedShard placements, and its specs.
 
 Stock DTensor cannot be told about a new placement: `redistribute` skips it silently and sharding
 propagation and DCP treat it as Replicate. A subclass lets veragged own exactly the RaggedShard
 cases without patching torch: `isinstance(x, DTensor)` still holds, torch code that calls
 `full_tensor()`, `redistribute()` or the DCP hooks reaches the overrides below, and ops go through
 [Note: ops on RaggedShard DTensors]. DTensors without a RaggedShard stay plain torch DTensors.
+
+[Note: placement layers]
+veragged/placement is layered, each module importing only the ones below it, at top level:
+  1. placements and their arithmetic: ragged_shard.py (RaggedShard), layout.py (a layout on an
+     N-D mesh), boxes.py (a rank's rows as boxes: checkpoint and reductions), collectives.py;
+  2. this module: the tensor classes and their specs (`make_spec`, `cached_spec`);
+  3. what runs on them: redistribute.py; the op handlers fastpath.py, operands.py, factories.py,
+     random_ops.py, amp.py, reductions.py (with reduce_parts.py), ragged_dim_reduce.py, norms.py;
+  4. ops.py (which handler takes which op) and api.py (distribute_tensor, from_local).
+The class calls up the stack at call time only: its `__torch_function__`/`__torch_dispatch__`
+go to ops.py, `redistribute()`/`full_tensor()` and `to_local`'s backward to redistribute.py,
+`from_local` to api.py. It reaches them through `_UP`, filled once by `connect_layers`, which
+veragged/placement/__init__.py calls after importing every layer; importing any placement
+module runs that package file first, so the class is always connected when it can be used.
+tests/test_import_graph.py fails on any import cycle in veragged, function-local imports
+included.
 """
 
 from __future__ import annotations
 
 import copy
-
-import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, Replicate
+from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
+from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
 
-from veragged.placement import ops
+from veragged.placement import boxes
 from veragged.placement.layout import ragged_mesh_dim
+from veragged.runtime import caches
 
-__all__ = ["RaggedDTensor", "RoutedDTensor", "routed"]
+__all__ = [
+    "RaggedDTensor", "RoutedDTensor", "accumulate_grads_locally", "as_ragged", "cached_spec",
+    "connect_layers", "make_spec", "routed",
+]
 
-_KINDS, _META = ops._KINDS, ops._META
+# func -> how ops.py handles it (ops.py classifies each func on its first call); the class
+# answers metadata reads (kind META), the most frequent calls, itself.
+OP_KINDS: dict = caches.register("placement.ops op kinds", {})
+META = 0
 _no_subclass_function = torch._C.DisableTorchFunctionSubclass
+
+
+class _Up:
+    """The layers above the class ([Note: placement layers])."""
+
+    __slots__ = ("torch_function", "torch_dispatch", "redistribute", "from_local")
+
+
+_UP = _Up()
+
+
+def connect_layers(*, torch_function: Callable, torch_dispatch: Callable,
+                   redistribute: Callable, from_local: Callable) -> None:
+    """Give the class the layers above it ([Note: placement layers]); called once, by
+    veragged/placement/__init__.py."""
+    _UP.torch_function, _UP.torch_dispatch = torch_function, torch_dispatch
+    _UP.redistribute, _UP.from_local = redistribute, from_local
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -46,7 +86,8 @@ def make_spec(mesh: DeviceMesh, placements, shape, dtype, stride=None) -> DTenso
     )
 
 
-_SPECS: dict = {}  # (id(mesh), placements, shape, stride, dtype) -> spec (the spec holds the mesh)
+# (id(mesh), placements, shape, stride, dtype) -> spec (the spec holds the mesh)
+_SPECS: dict = caches.register("placement.tensor specs", {})
 
 
 def cached_spec(mesh: DeviceMesh, placements, shape, dtype, stride=None) -> DTensorSpec:
@@ -109,23 +150,6 @@ def as_ragged(dt):
     return dt
 
 
-class _FromLocal(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, spec: DTensorSpec, grad_placements):
-        ctx.shape, ctx.grad_placements = local.shape, grad_placements
-        return RaggedDTensor(
-            local.reshape(-1).view_as(local.reshape(-1)), spec, requires_grad=local.requires_grad
-        )
-
-    @staticmethod
-    def backward(ctx, grad: DTensor):
-        if ctx.grad_placements is not None:
-            from veragged.placement.redistribute import redistribute
-
-            grad = redistribute(grad, grad.device_mesh, ctx.grad_placements)
-        return grad._local_tensor.reshape(ctx.shape), None, None
-
-
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dt: "RaggedDTensor", grad_placements):
@@ -137,11 +161,9 @@ class _ToLocal(torch.autograd.Function):
         spec = ctx.spec
         if ctx.grad_placements is None or tuple(ctx.grad_placements) == spec.placements:
             return RaggedDTensor._wrap(grad.reshape(-1), spec), None
-        from veragged.placement.api import from_local
-        from veragged.placement.redistribute import redistribute
-
-        dt = from_local(grad, spec.mesh, ctx.grad_placements, shape=spec.shape, stride=spec.stride)
-        return redistribute(dt, spec.mesh, spec.placements), None
+        dt = _UP.from_local(grad, spec.mesh, ctx.grad_placements, shape=spec.shape,
+                            stride=spec.stride)
+        return _UP.redistribute(dt, spec.mesh, spec.placements), None
 
 
 class RaggedDTensor(DTensor):
@@ -163,8 +185,12 @@ class RaggedDTensor(DTensor):
             )
         return RaggedDTensor(local, spec, requires_grad=requires_grad)
 
-    # `from_local` (torch's signature, RaggedShard placements allowed) is bound in
-    # veragged/placement/api.py, next to `distribute_tensor`, which it shares its checks with.
+    @staticmethod
+    def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
+                   placements: Sequence[Placement] | None = None, **kwargs) -> DTensor:
+        """`veragged.DTensor.from_local(...)`, as torch's `DTensor.from_local(...)` with
+        RaggedShard placements allowed: `veragged.placement.api.from_local`."""
+        return _UP.from_local(local_tensor, device_mesh, placements, **kwargs)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         if not torch.is_grad_enabled():
@@ -209,33 +235,27 @@ class RaggedDTensor(DTensor):
         # Metadata reads (`x.grad`, `x.shape`, ...), the most frequent calls, answered here:
         # see ops.handle_torch_function (which classifies `func` on its first call).
         try:
-            meta = _KINDS.get(func) is _META
+            meta = OP_KINDS.get(func) is META
         except TypeError:  # an unhashable callable
             meta = False
         if meta:
             with _no_subclass_function():
                 return func(*args, **kwargs) if kwargs else func(*args)
-        return ops.handle_torch_function(func, args, kwargs or {})
+        return _UP.torch_function(func, args, kwargs or {})
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return ops.handle_torch_dispatch(func, args, kwargs or {})
+        return _UP.torch_dispatch(func, args, kwargs or {})
 
-    # Distributed checkpoint: the rank's flat range as rectangular boxes (veragged.checkpoint).
+    # Distributed checkpoint: the rank's flat range as rectangular boxes (boxes.py).
     def __create_write_items__(self, fqn: str, object: Any):
-        from veragged.checkpoint.ragged import create_write_items
-
-        return create_write_items(fqn, self)
+        return boxes.create_write_items(fqn, self)
 
     def __create_chunk_list__(self):
-        from veragged.checkpoint.ragged import create_chunk_list
-
-        return create_chunk_list(self)
+        return boxes.create_chunk_list(self)
 
     def __get_tensor_shard__(self, index):
-        from veragged.checkpoint.ragged import get_tensor_shard
-
-        return get_tensor_shard(self, index)
+        return boxes.get_tensor_shard(self, index)
 
     def __deepcopy__(self, memo):
         """A RaggedDTensor with a deep copy of the local shard (parameters stay parameters)."""
@@ -270,11 +290,9 @@ def _redistribute_ragged(dt, device_mesh, placements, async_op, forward_dtype, b
             f"forward_dtype={forward_dtype} / backward_dtype={backward_dtype} "
             "are not supported for RaggedShard DTensors; cast with .to(dtype) first"
         )
-    from veragged.placement.redistribute import redistribute
-
     if placements is None:
         raise RuntimeError("placements is needed for redistribute!")
-    return redistribute(dt, device_mesh or dt.device_mesh, placements)
+    return _UP.redistribute(dt, device_mesh or dt.device_mesh, placements)
 
 
 class RoutedDTensor(DTensor):
@@ -339,14 +357,7 @@ def routed(dt):
 # torch's foreach paths (optimizers, clip_grad_norm_) take only the exact types in these lists;
 # torch registers DTensor itself (torch/distributed/tensor/__init__.py), not its subclasses.
 # RaggedDTensor runs every _foreach_* op, so it registers the same way.
-from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types  # noqa: E402
-from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types  # noqa: E402
-
 for _types in (_optim_foreach_types, _util_foreach_types):
     for _cls in (RaggedDTensor, RoutedDTensor):
         if _cls not in _types:
             _types.append(_cls)
-
-from veragged.placement import fastpath as _fastpath  # noqa: E402
-
-_fastpath.bind(RaggedDTensor)
