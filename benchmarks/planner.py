@@ -60,7 +60,9 @@ from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
-from veragged.planner.validate import check_layout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.harness
+
+from tests.harness.layout_check import check_layout
 
 if __package__:
     from .model_shapes import MODELS

@@ -19,6 +19,7 @@ CPU_ONLY = {
                 "gloo), launched as their users launch them on a CPU machine",
     "benchmarks/test_lora_bytes.py": "runs benchmarks/lora_bytes.py, a CPU benchmark",
     "benchmarks/test_optim_matrix.py": "runs benchmarks/optim_matrix.py, a CPU benchmark",
+    "benchmarks/test_host_profile.py": "runs benchmarks/host_profile.py, a CPU profile",
     "benchmarks/test_async_precondition.py": "runs benchmarks/async_precondition.py, a CPU "
                                              "benchmark",
     "runtime/test_happens_before.py": "the recorder stands in for the streams to prove their "

@@ -38,7 +38,6 @@ TORCH_LIBRARY(veragged, m) {
   // DBuffer group ops: one launch over a group's flat buffer ([Note: DBuffer group ops]).
   m.def("cast_scale_(Tensor(a!) dst, Tensor src, float alpha=1.0) -> ()");
   m.def("accumulate_(Tensor(a!) dst, Tensor src, float alpha=1.0) -> ()");
-  m.def("scale_(Tensor(a!) dst, float alpha) -> ()");
   m.def("zero_ranges_(Tensor(a!) dst, int[] ranges) -> ()");
   m.def("land_(Tensor(a!) dst, Tensor[] srcs, int[] pieces, float alpha=1.0) -> ()");
   // Host-side owner plan of distributed Muon, Shampoo and SOAP ([Note: matrix owner plan],
@@ -60,16 +59,10 @@ TORCH_LIBRARY(veragged, m) {
       "matrix_costs(int[] block_rows, int[] block_cols, int[] blocks_per_matrix, str cost, "
       "int ns_steps, int precondition_frequency, int max_preconditioner_dim) -> int[]",
       &veragged::matrix_costs_op);
-  // Block-wise 8-bit AdamW: one fused step of one parameter shard, in place on the parameter,
-  // the uint8 codes and the per-block fp32 absmax of both moments ([Note: AdamW8bit kernel]).
-  m.def(
-      "adamw8bit_step_(Tensor(a!) param, Tensor grad, Tensor(b!) m_codes, Tensor(c!) v_codes, "
-      "Tensor(d!) m_absmax, Tensor(e!) v_absmax, Tensor qmap_signed, Tensor qmap_unsigned, "
-      "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
-      "int block_size) -> ()");
-  // The same for a list of shards of one dtype in one launch, each with its own step count
-  // ([Note: AdamW8bit multi-tensor launch]): AdamW8bit steps a param group's 8-bit parameters
-  // with one call.
+  // Block-wise 8-bit AdamW: one fused step of a list of parameter shards of one dtype in one
+  // launch, each with its own step count, in place on the parameters, the uint8 codes and the
+  // per-block fp32 absmax of both moments ([Note: AdamW8bit kernel], [Note: AdamW8bit
+  // multi-tensor launch]): AdamW8bit steps a param group's 8-bit parameters with one call.
   m.def(
       "adamw8bit_multi_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] m_codes, "
       "Tensor(c!)[] v_codes, Tensor(d!)[] m_absmax, Tensor(e!)[] v_absmax, Tensor qmap_signed, "

@@ -66,21 +66,4 @@ void accumulate(const DeviceKernels& kernels, at::Tensor& dst, const at::Tensor&
   }
 }
 
-void scale(const DeviceKernels& kernels, at::Tensor& dst, double alpha) {
-  check_flat(dst, "scale_", "dst");
-  if (dst.is_complex()) {
-    at::Tensor real = real_view(dst);
-    scale(kernels, real, alpha);
-    return;
-  }
-  const at::ScalarType d = dst.scalar_type();
-  TORCH_CHECK_VALUE(dst.is_floating_point(), "scale_: dst must be a floating or complex tensor, got ",
-                    d);
-  if (fused(d)) {
-    kernels.scale(dst, alpha);
-  } else {  // float8
-    dst.copy_(dst.to(acc_type(d)).mul_(alpha));
-  }
-}
-
 }  // namespace veragged::dbuffer

@@ -50,17 +50,6 @@ void accumulate_cpu(at::Tensor& dst, const at::Tensor& src, double alpha) {
   });
 }
 
-void scale_cpu(at::Tensor& dst, double alpha) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "scale_", [&] {
-    using acc_t = typename AccType<scalar_t>::type;
-    const acc_t a = static_cast<acc_t>(alpha);
-    scalar_t* d = dst.data_ptr<scalar_t>();
-    at::parallel_for(0, dst.numel(), kGrain, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) d[i] = static_cast<scalar_t>(a * static_cast<acc_t>(d[i]));
-    });
-  });
-}
-
 void zero_ranges_cpu(at::Tensor& dst, c10::IntArrayRef ranges) {
   char* base = static_cast<char*>(dst.data_ptr());
   const int64_t item = dst.element_size();
@@ -99,7 +88,7 @@ void land_cpu(at::Tensor& dst, at::TensorList srcs, c10::IntArrayRef pieces, dou
 
 namespace {
 
-constexpr DeviceKernels kCpuKernels{&cast_scale_cpu, &accumulate_cpu, &scale_cpu};
+constexpr DeviceKernels kCpuKernels{&cast_scale_cpu, &accumulate_cpu};
 
 void cast_scale_op(at::Tensor dst, const at::Tensor& src, double alpha) {
   cast_scale(kCpuKernels, dst, src, alpha);
@@ -107,7 +96,6 @@ void cast_scale_op(at::Tensor dst, const at::Tensor& src, double alpha) {
 void accumulate_op(at::Tensor dst, const at::Tensor& src, double alpha) {
   accumulate(kCpuKernels, dst, src, alpha);
 }
-void scale_op(at::Tensor dst, double alpha) { scale(kCpuKernels, dst, alpha); }
 void zero_ranges_op(at::Tensor dst, c10::IntArrayRef ranges) {
   TORCH_CHECK_VALUE(dst.is_contiguous(), "zero_ranges_: dst must be contiguous");
   check_ranges(ranges, dst.numel());
@@ -124,7 +112,6 @@ void land_op(at::Tensor dst, at::TensorList srcs, c10::IntArrayRef pieces, doubl
 TORCH_LIBRARY_IMPL(veragged, CPU, m) {
   m.impl("cast_scale_", &cast_scale_op);
   m.impl("accumulate_", &accumulate_op);
-  m.impl("scale_", &scale_op);
   m.impl("zero_ranges_", &zero_ranges_op);
   m.impl("land_", &land_op);
 }

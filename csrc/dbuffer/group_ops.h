@@ -8,7 +8,6 @@
 // a flat range. Each op also fuses the steps torch would run as separate passes:
 //   cast_scale_(dst, src, alpha):   dst = cast<dst>(alpha * src)        (one read, one write)
 //   accumulate_(dst, src, alpha):   dst = cast<dst>(dst + alpha * src)  (src may be narrower)
-//   scale_(dst, alpha):             dst = cast<dst>(alpha * dst)
 //   zero_ranges_(dst, ranges):      dst[a_i:b_i] = 0 for every [a_i, b_i) in one launch
 //   land_(dst, srcs, pieces, alpha): for every piece (i, s, d, n, add) of `pieces` (five ints
 //                                   each): dst[d:d+n] = cast<dst>((add ? dst[d:d+n] : +0.0)
@@ -112,7 +111,6 @@ inline void check_land(const at::Tensor& dst, at::TensorList srcs, c10::IntArray
 // Kernels per device (group_ops.cpp, cuda/group_ops.cu).
 void cast_scale_cpu(at::Tensor& dst, const at::Tensor& src, double alpha);
 void accumulate_cpu(at::Tensor& dst, const at::Tensor& src, double alpha);
-void scale_cpu(at::Tensor& dst, double alpha);
 void zero_ranges_cpu(at::Tensor& dst, c10::IntArrayRef ranges);
 void land_cpu(at::Tensor& dst, at::TensorList srcs, c10::IntArrayRef pieces, double alpha);
 
@@ -121,7 +119,6 @@ void land_cpu(at::Tensor& dst, at::TensorList srcs, c10::IntArrayRef pieces, dou
 struct DeviceKernels {
   void (*cast_scale)(at::Tensor& dst, const at::Tensor& src, double alpha);
   void (*accumulate)(at::Tensor& dst, const at::Tensor& src, double alpha);
-  void (*scale)(at::Tensor& dst, double alpha);
 };
 
 // The ops on one device: argument checks, then the dtype routes of the Note (dtype_routes.cpp).
@@ -129,6 +126,5 @@ void cast_scale(const DeviceKernels& kernels, at::Tensor& dst, const at::Tensor&
                 double alpha);
 void accumulate(const DeviceKernels& kernels, at::Tensor& dst, const at::Tensor& src,
                 double alpha);
-void scale(const DeviceKernels& kernels, at::Tensor& dst, double alpha);
 
 }  // namespace veragged::dbuffer

@@ -1,4 +1,4 @@
-// CPU kernels of `veragged::adamw8bit_step_` and `adamw8bit_multi_step_`; see
+// CPU kernels of `veragged::adamw8bit_multi_step_`; see
 // [Note: AdamW8bit kernel] and [Note: AdamW8bit multi-tensor launch] in adamw8bit.h. Parallel
 // over quantisation blocks (of all tensors of a launch): each task updates whole blocks, so
 // blocks never share a write and the result does not depend on the thread count.
@@ -196,23 +196,6 @@ void step_tensors(const std::vector<AdamW8bitTensor>& tensors, int64_t total_blo
   });
 }
 
-void adamw8bit_step_cpu(at::Tensor param, const at::Tensor& grad, at::Tensor m_codes,
-                        at::Tensor v_codes, at::Tensor m_absmax, at::Tensor v_absmax,
-                        const at::Tensor& qmap_signed, const at::Tensor& qmap_unsigned, double lr,
-                        double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                        int64_t block_size) {
-  check_adamw8bit_args(param, grad, m_codes, v_codes, m_absmax, v_absmax, qmap_signed,
-                       qmap_unsigned, step, block_size);
-  const int64_t n = param.numel();
-  if (n == 0) return;
-  const AdamW8bitTensor t{param.data_ptr(), grad.const_data_ptr(), m_codes.data_ptr<uint8_t>(),
-                          v_codes.data_ptr<uint8_t>(), m_absmax.data_ptr<float>(),
-                          v_absmax.data_ptr<float>(), n, 0,
-                          make_scalars(lr, beta1, beta2, eps, weight_decay, step)};
-  step_tensors({t}, (n + block_size - 1) / block_size, block_size, param.scalar_type(),
-               qmap_signed, qmap_unsigned);
-}
-
 void adamw8bit_multi_step_cpu(at::TensorList params, at::TensorList grads,
                               at::TensorList m_codes, at::TensorList v_codes,
                               at::TensorList m_absmax, at::TensorList v_absmax,
@@ -231,7 +214,6 @@ void adamw8bit_multi_step_cpu(at::TensorList params, at::TensorList grads,
 }  // namespace
 
 TORCH_LIBRARY_IMPL(veragged, CPU, m) {
-  m.impl("adamw8bit_step_", &adamw8bit_step_cpu);
   m.impl("adamw8bit_multi_step_", &adamw8bit_multi_step_cpu);
 }
 

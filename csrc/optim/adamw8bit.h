@@ -1,8 +1,8 @@
 // Block-wise 8-bit AdamW: the checks and element math shared by the CPU (adamw8bit.cpp) and
-// CUDA (cuda/adamw8bit.cu) kernels of `veragged::adamw8bit_step_`.
+// CUDA (cuda/adamw8bit.cu) kernels of `veragged::adamw8bit_multi_step_`.
 //
 // [Note: AdamW8bit kernel]
-// One fused call updates one parameter shard: a flat range of the parameter that starts on a
+// The kernel updates parameter shards, each a flat range of its parameter that starts on a
 // quantisation block boundary and holds whole blocks of `block_size` elements (the last one may
 // be partial: it is the tensor's last block). The moments are stored as one uint8 code per
 // element plus one fp32 absmax per block:
@@ -140,19 +140,16 @@ C10_HOST_DEVICE inline uint8_t quantize(const float* qmap, const Floor& floor_co
   return quantize_scaled(qmap, floor_code, y, x, absmax, zero, keep_sign);
 }
 
-// Checks one tensor's arguments. `index` < 0: the single-tensor op, whose names are "param",
-// "grad", ...; otherwise the multi-tensor op's, "params[index]", "grads[index]", ...
+// Checks the arguments of tensor `index` of the lists, naming them "params[index]",
+// "grads[index]", ...
 inline void check_adamw8bit_tensor(const char* op, int64_t index, const at::Tensor& param,
                                    const at::Tensor& grad, const at::Tensor& m_codes,
                                    const at::Tensor& v_codes, const at::Tensor& m_absmax,
                                    const at::Tensor& v_absmax, at::ScalarType dt,
                                    const at::Device& device, int64_t step, int64_t block_size) {
-  const std::string at_i = index < 0 ? "" : "[" + std::to_string(index) + "]";
-  const char* const plural[] = {"params", "grads", "m_codes", "v_codes", "m_absmax", "v_absmax"};
-  const char* const single[] = {"param", "grad", "m_codes", "v_codes", "m_absmax", "v_absmax"};
-  const char* const* names = index < 0 ? single : plural;
-  TORCH_CHECK_VALUE(step >= 1, op, ": step", (index < 0 ? "" : "s") + at_i, " must be >= 1, got ",
-                    step);
+  const std::string at_i = "[" + std::to_string(index) + "]";
+  const char* const names[] = {"params", "grads", "m_codes", "v_codes", "m_absmax", "v_absmax"};
+  TORCH_CHECK_VALUE(step >= 1, op, ": steps", at_i, " must be >= 1, got ", step);
   TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op, ": ",
                     names[0], at_i, " must be float32, bfloat16 or float16, got ", dt);
   TORCH_CHECK_VALUE(param.scalar_type() == dt, op, ": ", names[0], at_i, " is ",
@@ -203,26 +200,14 @@ inline void check_qmaps(const char* op, const at::Tensor& qmap_signed,
   }
 }
 
-inline void check_adamw8bit_args(const at::Tensor& param, const at::Tensor& grad,
-                                 const at::Tensor& m_codes, const at::Tensor& v_codes,
-                                 const at::Tensor& m_absmax, const at::Tensor& v_absmax,
-                                 const at::Tensor& qmap_signed, const at::Tensor& qmap_unsigned,
-                                 int64_t step, int64_t block_size) {
-  const char* op = "adamw8bit_step_";
-  TORCH_CHECK_VALUE(block_size > 0, op, ": block_size must be > 0, got ", block_size);
-  check_adamw8bit_tensor(op, -1, param, grad, m_codes, v_codes, m_absmax, v_absmax,
-                         param.scalar_type(), param.device(), step, block_size);
-  check_qmaps(op, qmap_signed, qmap_unsigned, param.device());
-}
-
 // [Note: AdamW8bit multi-tensor launch]
 // `adamw8bit_multi_step_` updates a list of shards (one optimizer param group and dtype: every
 // 8-bit parameter of a DBuffer group) in one launch. Each tensor keeps its own quantisation
 // blocks, counted from its own start ([Note: AdamW8bit on RaggedShard]); the launch numbers the
 // blocks of all tensors consecutively (tensor t owns blocks [first_block, first_block + blocks))
-// and each worker (a CPU task, a CUDA thread block) runs exactly the single-tensor op's code on
-// the blocks it is given, with that tensor's scalars (its own step count). A block's result
-// depends only on that block, so the results are bitwise those of one call per tensor.
+// and each worker (a CPU task, a CUDA thread block) runs the same per-block code on the blocks
+// it is given, with that tensor's scalars (its own step count). A block's result depends only on
+// that block, so the results are bitwise those of one call per tensor.
 struct AdamW8bitTensor {
   void* p;  // scalar_t* of the launch's dtype
   const void* g;
@@ -277,7 +262,7 @@ inline std::vector<AdamW8bitTensor> adamw8bit_descriptors(
 inline int zero_code(const float* qmap) {
   for (int i = 0; i < kQmapSize; ++i)
     if (qmap[i] == 0.0f) return i;
-  TORCH_CHECK_VALUE(false, "adamw8bit_step_: a quantisation map must contain 0.0");
+  TORCH_CHECK_VALUE(false, "adamw8bit_multi_step_: a quantisation map must contain 0.0");
   return 0;
 }
 

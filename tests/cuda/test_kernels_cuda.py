@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from veragged.dbuffer import ops
-from veragged.optim.kernels import adamw8bit_multi_step_, adamw8bit_step_, dynamic_map
+from veragged.optim.kernels import adamw8bit_multi_step_, dynamic_map
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (scripts/gpu_check.sh)")
@@ -53,10 +53,8 @@ def test_cast_scale_and_accumulate(dst_dtype, src_dtype, n):
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_scale_and_zero_ranges(dtype):
+def test_zero_ranges(dtype):
     x = _rand(70_001, dtype, 3, 5)
-    cpu, cuda = _twins(lambda t: ops.scale_(t, -0.125), x)
-    assert torch.equal(cpu[0], cuda[0])
     ranges = [(0, 3), (7, 7), (11, 40_000)] + [(40_001 + 3 * i, 40_002 + 3 * i)
                                                for i in range(100)]
     cpu, cuda = _twins(lambda t: ops.zero_ranges_(t, ranges), x)
@@ -96,8 +94,8 @@ def test_adamw8bit_step(dtype, n):
 
     def step(p, gr, mc, vc, ma, va):
         q = (dynamic_map(True).to(p.device), dynamic_map(False).to(p.device))
-        adamw8bit_step_(p, gr, mc, vc, ma, va, *q, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                        weight_decay=0.01, step=3, block_size=bs)
+        adamw8bit_multi_step_([p], [gr], [mc], [vc], [ma], [va], *q, lr=1e-2, beta1=0.9,
+                              beta2=0.999, eps=1e-8, weight_decay=0.01, steps=[3], block_size=bs)
 
     cpu, cuda = _twins(step, *state)
     for a, b in zip(cpu, cuda):

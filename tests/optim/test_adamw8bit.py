@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import veragged  # noqa: F401  (loads the ops)
 from veragged.optim import adamw8bit as adamw8bit_module
 from veragged.optim.adamw8bit import AdamW8bit, adamw8bit_granularity
-from veragged.optim.kernels import adamw8bit_multi_step_, adamw8bit_step_, dynamic_map
+from veragged.optim.kernels import adamw8bit_multi_step_, dynamic_map
 
 QS, QU = dynamic_map(True), dynamic_map(False)
 
@@ -84,6 +84,11 @@ def test_dynamic_map(signed):
 
 
 # ----------------------------------------------------------------------------- kernel
+def _step_one(p, g, mc, vc, ma, va, qs, qu, *, step, **kw):
+    """One shard's step: the kernel on lists of one tensor."""
+    adamw8bit_multi_step_([p], [g], [mc], [vc], [ma], [va], qs, qu, steps=[step], **kw)
+
+
 def _random_state(n, bs, gen):
     nb = math.ceil(n / bs)
     mc = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
@@ -111,7 +116,7 @@ def test_kernel_matches_reference_bitwise(dtype, n, bs):
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, block_size=bs)
     for step in (1, 2, 7):
         expect = reference_step(p, g, mc, vc, ma, va, 1e-3, 0.9, 0.999, 1e-8, 0.01, step, bs)
-        adamw8bit_step_(p, g, mc, vc, ma, va, QS, QU, step=step, **hyper)
+        _step_one(p, g, mc, vc, ma, va, QS, QU, step=step, **hyper)
         for got, want in zip((p, mc, vc, ma, va), expect):
             assert torch.equal(got, want), (step, (got != want).sum())
     if n > 10:
@@ -128,8 +133,8 @@ def test_kernel_nan_leaves_param_and_keeps_sign():
     mc = torch.full((n,), 127, dtype=torch.uint8)  # the signed map's code of 0
     vc = torch.zeros(n, dtype=torch.uint8)
     ma, va = torch.zeros(2), torch.zeros(2)
-    adamw8bit_step_(p, g, mc, vc, ma, va, QS, QU, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                    weight_decay=0.1, step=1, block_size=bs)
+    _step_one(p, g, mc, vc, ma, va, QS, QU, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+              weight_decay=0.1, step=1, block_size=bs)
     assert p[10] == 0.5 and p[0] < 0.5 and p[300] > 0.5 * (1 - 1e-3)
     assert QS[mc[301].long()] < 0, "a negative m keeps a negative code"
     assert QS[mc[0].long()] == 1.0 and QS[mc[300].long()] < 0
@@ -141,27 +146,34 @@ def test_kernel_argument_errors():
     mc, vc = torch.zeros(300, dtype=torch.uint8), torch.zeros(300, dtype=torch.uint8)
     ma, va = torch.zeros(2), torch.zeros(2)
     kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
-    with pytest.raises(ValueError, match="m_absmax must have 3 elements"):
-        adamw8bit_step_(p, g, mc, vc, ma, va, QS, QU, block_size=128, **kw)
+    with pytest.raises(ValueError, match=r"m_absmax\[0\] must have 3 elements"):
+        _step_one(p, g, mc, vc, ma, va, QS, QU, block_size=128, **kw)
     with pytest.raises(ValueError, match="block_size must be > 0, got 0"):
-        adamw8bit_step_(p, g, mc, vc, ma, va, QS, QU, block_size=0, **kw)
-    with pytest.raises(ValueError, match="grad dtype"):
-        adamw8bit_step_(p, g.half(), mc, vc, ma, va, QS, QU, block_size=256, **kw)
-    with pytest.raises(ValueError, match="v_codes must be Byte"):
-        adamw8bit_step_(p, g, mc, vc.float(), ma, va, QS, QU, block_size=256, **kw)
+        _step_one(p, g, mc, vc, ma, va, QS, QU, block_size=0, **kw)
+    with pytest.raises(ValueError, match=r"grads\[0\] dtype"):
+        _step_one(p, g.half(), mc, vc, ma, va, QS, QU, block_size=256, **kw)
+    with pytest.raises(ValueError, match=r"v_codes\[0\] must be Byte"):
+        _step_one(p, g, mc, vc.float(), ma, va, QS, QU, block_size=256, **kw)
 
 
 def test_fake_kernel_and_opcheck():
-    args = lambda: (torch.randn(300), torch.randn(300), torch.full((300,), 127, dtype=torch.uint8),
-                    torch.zeros(300, dtype=torch.uint8), torch.zeros(2), torch.zeros(2), QS, QU,
-                    1e-3, 0.9, 0.999, 1e-8, 0.01, 1, 256)
+    args = lambda: ([torch.randn(300)], [torch.randn(300)],
+                    [torch.full((300,), 127, dtype=torch.uint8)],
+                    [torch.zeros(300, dtype=torch.uint8)], [torch.zeros(2)], [torch.zeros(2)], QS,
+                    QU, 1e-3, 0.9, 0.999, 1e-8, 0.01, [1], 256)
+
+    def to_fake(mode, a):
+        if isinstance(a, list):
+            return [to_fake(mode, x) for x in a]
+        return mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+
     with FakeTensorMode() as mode:
-        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args()]
-        torch.ops.veragged.adamw8bit_step_(*fake)
-        fake[4] = mode.from_tensor(torch.zeros(3))
-        with pytest.raises(ValueError, match="m_absmax must have 2 elements"):
-            torch.ops.veragged.adamw8bit_step_(*fake)
-    torch.library.opcheck(torch.ops.veragged.adamw8bit_step_, args(),
+        fake = [to_fake(mode, a) for a in args()]
+        torch.ops.veragged.adamw8bit_multi_step_(*fake)
+        fake[4] = [mode.from_tensor(torch.zeros(3))]
+        with pytest.raises(ValueError, match=r"m_absmax\[0\] must have 2 elements"):
+            torch.ops.veragged.adamw8bit_multi_step_(*fake)
+    torch.library.opcheck(torch.ops.veragged.adamw8bit_multi_step_, args(),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -184,13 +196,13 @@ def _shards(sizes, dtype, bs, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_multi_kernel_equals_one_call_per_tensor_bitwise(dtype):
     """One launch over tensors with partial last blocks, an empty one, one spanning several
-    parallel tasks, each with its own step: bitwise one adamw8bit_step_ per tensor."""
+    parallel tasks, each with its own step: bitwise one launch per tensor alone."""
     bs, sizes = 64, [1000, 0, 64, 5, 1 << 16, 130, 1]
     steps = [1, 3, 2, 7, 1, 4, 9]
     one = _shards(sizes, dtype, bs, seed=3)
     multi = [[t.clone() for t in shard] for shard in one]
     for shard, step in zip(one, steps):
-        adamw8bit_step_(*shard, QS, QU, step=step, block_size=bs, **HYPER)
+        _step_one(*shard, QS, QU, step=step, block_size=bs, **HYPER)
     adamw8bit_multi_step_(*map(list, zip(*multi)), QS, QU, steps=steps, block_size=bs, **HYPER)
     for i, (a, b) in enumerate(zip(one, multi)):
         for name, x, y in zip(("p", "g", "mc", "vc", "ma", "va"), a, b):
@@ -231,10 +243,10 @@ def test_multi_kernel_errors_name_the_entry():
 
 
 def _per_param(params, grads, m_codes, v_codes, m_absmax, v_absmax, qs, qu, *, steps, **kw):
-    """The previous per-parameter path: one adamw8bit_step_ per shard."""
+    """The previous per-parameter path: one launch per shard."""
     for p, g, mc, vc, ma, va, step in zip(params, grads, m_codes, v_codes, m_absmax, v_absmax,
                                           steps):
-        adamw8bit_step_(p, g, mc, vc, ma, va, qs, qu, step=step, **kw)
+        _step_one(p, g, mc, vc, ma, va, qs, qu, step=step, **kw)
 
 
 def test_step_launches_once_per_group_and_dtype():

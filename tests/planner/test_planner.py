@@ -7,13 +7,13 @@ import pytest
 
 import veragged
 from veragged.planner import Layout, plan
-from veragged.planner import validate
-from veragged.planner._reference import reference_plan
+from tests.harness import layout_check
+from tests.harness.planner_reference import reference_plan
 
 
 def check_layout(layout: Layout, numels, blocks, world_size, align=1):
     assert layout.block_sizes == tuple(blocks) and layout.world_size == world_size
-    validate.check_layout(layout, numels, align)
+    layout_check.check_layout(layout, numels, align)
     assert all(len(units) == world_size for units in layout.units)
     assert [sum(units) for units in layout.units] == [e // g for e, g in zip(numels, blocks)]
 
@@ -56,15 +56,15 @@ def test_errors_name_the_values(args, message):
 
 def test_check_layout_rejects_broken_layouts():
     good = plan([6, 4], [3, 2], 2)
-    validate.check_layout(good, [6, 4])
+    layout_check.check_layout(good, [6, 4])
     cut = dataclasses.replace(good, shard_size=5, padding=0, ranges=((1, 7), (7, 11)))
     with pytest.raises(ValueError, match="block cut by the rank boundary at 5"):
-        validate.check_layout(cut, [6, 4])
+        layout_check.check_layout(cut, [6, 4])
     overlap = dataclasses.replace(good, ranges=((0, 6), (4, 8)))
     with pytest.raises(ValueError, match="tensor 1: range"):
-        validate.check_layout(overlap, [6, 4])
+        layout_check.check_layout(overlap, [6, 4])
     with pytest.raises(ValueError, match="not a multiple of align 4"):
-        validate.check_layout(good, [6, 4], align=4)
+        layout_check.check_layout(good, [6, 4], align=4)
 
 
 def test_type_errors():

@@ -38,7 +38,7 @@ def test_known_op_sequence():
         torch.empty(1000)  # an allocation: 0
         torch.ops.veragged.cast_scale_(x, half, 2.0)  # 400 (fp32 destination)
         torch.ops.veragged.accumulate_(x, b, 1.0)  # 400
-        torch.ops.veragged.scale_(x, 0.5)  # 400
+        torch.ops.veragged.land_(x, [b], [0, 0, 0, 100, 1], 0.5)  # one piece, all of x: 400
         torch.ops.veragged.zero_ranges_(x, [0, 10, 20, 25])  # its ranges only: 15 elements
         torch._foreach_add_([a, b], [x, v.view(-1)])  # both destinations: 800
         torch.zeros(10, dtype=torch.float64)  # 80
@@ -49,7 +49,7 @@ def test_known_op_sequence():
         "aten.zero_.default": 200,
         "veragged.cast_scale_.default": 400,
         "veragged.accumulate_.default": 400,
-        "veragged.scale_.default": 400,
+        "veragged.land_.default": 400,
         "veragged.zero_ranges_.default": 60,
         "aten._foreach_add_.List": 800,
         "aten.zeros.default": 80,

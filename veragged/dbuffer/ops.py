@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["accumulate_", "cast_scale_", "land_", "scale_", "zero_ranges_"]
+__all__ = ["accumulate_", "cast_scale_", "land_", "zero_ranges_"]
 
 
 def _check_pair(op: str, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -50,14 +50,6 @@ def _accumulate_fake(dst, src, alpha=1.0):
             "accumulate_: dst and src must both be floating or both complex tensors, "
             f"got {dst.dtype} and {src.dtype}"
         )
-
-
-@torch.library.register_fake("veragged::scale_")
-def _scale_fake(dst, alpha):
-    if not dst.is_contiguous():
-        raise ValueError("scale_: dst must be contiguous")
-    if not (dst.is_floating_point() or dst.is_complex()):
-        raise ValueError(f"scale_: dst must be a floating or complex tensor, got {dst.dtype}")
 
 
 @torch.library.register_fake("veragged::zero_ranges_")
@@ -98,12 +90,6 @@ def cast_scale_(dst: torch.Tensor, src: torch.Tensor, alpha: float = 1.0) -> tor
 def accumulate_(dst: torch.Tensor, src: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     """`dst += alpha * src.to(dst.dtype)` in one pass (floating or complex); returns `dst`."""
     torch.ops.veragged.accumulate_(dst, src, alpha)
-    return dst
-
-
-def scale_(dst: torch.Tensor, alpha: float) -> torch.Tensor:
-    """`dst *= alpha` (floating or complex); returns `dst`."""
-    torch.ops.veragged.scale_(dst, alpha)
     return dst
 
 

@@ -11,7 +11,7 @@ import torch
 
 from veragged.runtime import caches
 
-__all__ = ["adamw8bit_multi_step_", "adamw8bit_step_", "dynamic_map"]
+__all__ = ["adamw8bit_multi_step_", "dynamic_map"]
 
 QMAP_SIZE = 256
 
@@ -44,31 +44,29 @@ def dynamic_map(signed: bool, device: torch.device | str | None = None) -> torch
     return _dynamic_map_cpu(bool(signed)).to(device=device, copy=True)
 
 
-_SINGLE = ("param", "grad", "m_codes", "v_codes", "m_absmax", "v_absmax")
-_PLURAL = ("params", "grads", "m_codes", "v_codes", "m_absmax", "v_absmax")
+_NAMES = ("params", "grads", "m_codes", "v_codes", "m_absmax", "v_absmax")
 
 
 def _check_tensor(op, index, tensors, dtype, device, step, block_size) -> None:
-    """check_adamw8bit_tensor (csrc/optim/adamw8bit.h) on metadata: one tensor's arguments;
-    `index` None names them as the single-tensor op does, else as `params[index]`..."""
-    names = _SINGLE if index is None else _PLURAL
-    at = "" if index is None else f"[{index}]"
+    """check_adamw8bit_tensor (csrc/optim/adamw8bit.h) on metadata: the arguments of tensor
+    `index` of the lists, named `params[index]`, `grads[index]`, ..."""
+    at = f"[{index}]"
     if step < 1:
-        raise ValueError(f"{op}: step{'' if index is None else 's'}{at} must be >= 1, got {step}")
+        raise ValueError(f"{op}: steps{at} must be >= 1, got {step}")
     param = tensors[0]
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"{op}: {names[0]}{at} must be float32, bfloat16 or float16, got {dtype}")
+        raise ValueError(f"{op}: {_NAMES[0]}{at} must be float32, bfloat16 or float16, got {dtype}")
     if param.dtype != dtype:
-        raise ValueError(f"{op}: {names[0]}{at} is {param.dtype} but the first param is {dtype} "
+        raise ValueError(f"{op}: {_NAMES[0]}{at} is {param.dtype} but the first param is {dtype} "
                          "(one launch takes one dtype)")
     if tensors[1].dtype != dtype:
-        raise ValueError(f"{op}: {names[1]}{at} dtype {tensors[1].dtype} differs from param "
+        raise ValueError(f"{op}: {_NAMES[1]}{at} dtype {tensors[1].dtype} differs from param "
                          f"dtype {dtype}")
     n = param.numel()
     blocks = -(-n // block_size)
     wants = ((dtype, n), (dtype, n), (torch.uint8, n), (torch.uint8, n),
              (torch.float32, blocks), (torch.float32, blocks))
-    for name, t, (want, numel) in zip(names, tensors, wants):
+    for name, t, (want, numel) in zip(_NAMES, tensors, wants):
         if t.dtype != want:
             raise ValueError(f"{op}: {name}{at} must be {want}, got {t.dtype}")
         if t.numel() != numel:
@@ -97,16 +95,6 @@ def _check_block_size(op, block_size) -> None:
         raise ValueError(f"{op}: block_size must be > 0, got {block_size}")
 
 
-@torch.library.register_fake("veragged::adamw8bit_step_")
-def _adamw8bit_step_fake(param, grad, m_codes, v_codes, m_absmax, v_absmax, qmap_signed,
-                         qmap_unsigned, lr, beta1, beta2, eps, weight_decay, step, block_size):
-    op = "adamw8bit_step_"
-    _check_block_size(op, block_size)
-    _check_tensor(op, None, (param, grad, m_codes, v_codes, m_absmax, v_absmax), param.dtype,
-                  param.device, step, block_size)
-    _check_qmaps(op, qmap_signed, qmap_unsigned, param.device)
-
-
 @torch.library.register_fake("veragged::adamw8bit_multi_step_")
 def _adamw8bit_multi_step_fake(params, grads, m_codes, v_codes, m_absmax, v_absmax, qmap_signed,
                                qmap_unsigned, lr, beta1, beta2, eps, weight_decay, steps,
@@ -114,7 +102,7 @@ def _adamw8bit_multi_step_fake(params, grads, m_codes, v_codes, m_absmax, v_absm
     op = "adamw8bit_multi_step_"
     _check_block_size(op, block_size)
     lists = (grads, m_codes, v_codes, m_absmax, v_absmax, steps)
-    for name, values in zip(_PLURAL[1:] + ("steps",), lists):
+    for name, values in zip(_NAMES[1:] + ("steps",), lists):
         if len(values) != len(params):
             raise ValueError(f"{op}: {name} has {len(values)} entries but params has "
                              f"{len(params)}")
@@ -124,38 +112,6 @@ def _adamw8bit_multi_step_fake(params, grads, m_codes, v_codes, m_absmax, v_absm
     _check_qmaps(op, qmap_signed, qmap_unsigned, device)
     for i, tensors in enumerate(zip(params, grads, m_codes, v_codes, m_absmax, v_absmax)):
         _check_tensor(op, i, tensors, dtype, device, steps[i], block_size)
-
-
-def adamw8bit_step_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    m_codes: torch.Tensor,
-    v_codes: torch.Tensor,
-    m_absmax: torch.Tensor,
-    v_absmax: torch.Tensor,
-    qmap_signed: torch.Tensor,
-    qmap_unsigned: torch.Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-    block_size: int,
-) -> None:
-    """One fused 8-bit AdamW step of a flat shard holding whole blocks, all in place.
-
-    `param`/`grad`: the shard (same dtype: fp32, bf16 or fp16); `m_codes`/`v_codes`: uint8,
-    one per element; `m_absmax`/`v_absmax`: fp32, one per block of `block_size` elements (the
-    last may be partial); `qmap_*`: `dynamic_map(True)` / `dynamic_map(False)`; `step`: the
-    step number after this update (>= 1). See [Note: AdamW8bit kernel].
-    """
-    torch.ops.veragged.adamw8bit_step_(
-        param, grad, m_codes, v_codes, m_absmax, v_absmax, qmap_signed, qmap_unsigned,
-        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), int(step),
-        int(block_size),
-    )
 
 
 def adamw8bit_multi_step_(
@@ -176,11 +132,15 @@ def adamw8bit_multi_step_(
     steps: list[int],
     block_size: int,
 ) -> None:
-    """`adamw8bit_step_` on every shard of the lists in one kernel launch, all in place.
+    """One fused 8-bit AdamW step of every flat shard of the lists in one kernel launch, all in
+    place.
 
-    Every list holds one entry per shard, as `adamw8bit_step_` takes them; the params share one
-    dtype and device; `steps[i]` is shard i's step number after this update. The results are
-    bitwise those of one `adamw8bit_step_` per shard ([Note: AdamW8bit multi-tensor launch]).
+    Every list holds one entry per shard, each shard holding whole blocks: `params[i]`/`grads[i]`
+    share one dtype (fp32, bf16 or fp16) and device across the lists; `m_codes[i]`/`v_codes[i]`:
+    uint8, one per element; `m_absmax[i]`/`v_absmax[i]`: fp32, one per block of `block_size`
+    elements (the last may be partial); `qmap_*`: `dynamic_map(True)` / `dynamic_map(False)`;
+    `steps[i]`: shard i's step number after this update (>= 1). The results are bitwise those of
+    one call per shard ([Note: AdamW8bit kernel], [Note: AdamW8bit multi-tensor launch]).
     """
     torch.ops.veragged.adamw8bit_multi_step_(
         params, grads, m_codes, v_codes, m_absmax, v_absmax, qmap_signed, qmap_unsigned,

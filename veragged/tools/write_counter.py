@@ -9,7 +9,7 @@ its schema, with the bytes (`numel * element_size`) of the tensors it writes:
   say they return a view, e.g. `aten._unsafe_view`): 0 bytes;
 - every argument the schema marks as written (`Tensor(a!)`, `Tensor(a!)[]`: in-place ops, `out=`
   variants, `_foreach_*_`, and custom ops such as `veragged::cast_scale_`, `accumulate_`,
-  `scale_`, `zero_ranges_` and FSDP2's `fsdp::chunk_cat_mixed_dtype`, `split_with_sizes_copy`),
+  `land_`, `zero_ranges_` and FSDP2's `fsdp::chunk_cat_mixed_dtype`, `split_with_sizes_copy`),
   each at its full size: ops that write only part of their destination (`index_put_`,
   `scatter_`, ...) are counted as writing all of it, except the two below;
 - `veragged::zero_ranges_(dst, ranges)`: the elements of its ranges only;

@@ -48,14 +48,6 @@ __global__ void accumulate_kernel(dst_t* d, const src_t* s, int64_t n, double al
   }
 }
 
-template <typename T>
-__global__ void scale_kernel(T* d, int64_t n, double alpha) {
-  using acc_t = typename AccType<T>::type;
-  const acc_t a = static_cast<acc_t>(alpha);
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    d[i] = static_cast<T>(mul(a, static_cast<acc_t>(d[i])));
-}
-
 struct Ranges {
   int64_t begin[kMaxRanges];
   int64_t end[kMaxRanges];
@@ -162,18 +154,7 @@ void accumulate_cuda(at::Tensor& dst, const at::Tensor& src, double alpha) {
   });
 }
 
-void scale_cuda(at::Tensor& dst, double alpha) {
-  const int64_t n = dst.numel();
-  if (n == 0) return;
-  const c10::cuda::CUDAGuard guard(dst.device());
-  auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "scale_", [&] {
-    scale_kernel<<<blocks_for(n), kThreads, 0, stream>>>(dst.data_ptr<scalar_t>(), n, alpha);
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-constexpr DeviceKernels kCudaKernels{&cast_scale_cuda, &accumulate_cuda, &scale_cuda};
+constexpr DeviceKernels kCudaKernels{&cast_scale_cuda, &accumulate_cuda};
 
 void cast_scale_op(at::Tensor dst, const at::Tensor& src, double alpha) {
   cast_scale(kCudaKernels, dst, src, alpha);
@@ -182,8 +163,6 @@ void cast_scale_op(at::Tensor dst, const at::Tensor& src, double alpha) {
 void accumulate_op(at::Tensor dst, const at::Tensor& src, double alpha) {
   accumulate(kCudaKernels, dst, src, alpha);
 }
-
-void scale_op(at::Tensor dst, double alpha) { scale(kCudaKernels, dst, alpha); }
 
 void zero_ranges_op(at::Tensor dst, c10::IntArrayRef ranges) {
   TORCH_CHECK_VALUE(dst.is_contiguous(), "zero_ranges_: dst must be contiguous");
@@ -217,7 +196,6 @@ void land_op(at::Tensor dst, at::TensorList srcs, c10::IntArrayRef pieces, doubl
 TORCH_LIBRARY_IMPL(veragged, CUDA, m) {
   m.impl("cast_scale_", &cast_scale_op);
   m.impl("accumulate_", &accumulate_op);
-  m.impl("scale_", &scale_op);
   m.impl("zero_ranges_", &zero_ranges_op);
   m.impl("land_", &land_op);
 }

@@ -12,7 +12,8 @@ __all__ = ["check_layout"]
 def check_layout(layout: Layout, numels: Sequence[int], align: int = 1) -> None:
     """Raises ValueError naming the first rule `layout` breaks for tensors of `numels`.
 
-    The Python twin of csrc/planner's validate(), for tests and benchmarks that hold a Layout.
+    The Python twin of csrc/planner's validate(), for tests (tests/planner) and benchmarks
+    (benchmarks/planner.py) that hold a Layout.
     """
     s, m = layout.shard_size, layout.world_size
     if s % align:

@@ -1,4 +1,5 @@
-"""A slow pure-Python planner with the C++ planner's search, for differential tests only.
+"""A slow pure-Python planner with the C++ planner's search, for differential tests only
+(tests/planner/test_planner.py).
 
 It shares no code with csrc/planner: placement scans candidate starts one by one and checks
 every rank boundary a tensor covers, instead of the closed form of
