@@ -13,7 +13,7 @@ Scenarios (which parameters require grad, and when that is decided):
                   veragged plans them in DBuffers of their own, so backward's reduce-scatter
                   and gradient buffer hold only the adapters ([Note: frozen parameters] in
                   veragged/fsdp/api.py); each rank slot still ends with the verdict flags
-                  ([Note: unreached parameters] in veragged/dbuffer/grads.py);
+                  ([Note: unreached parameters] in veragged/dbuffer/grad_layout.py);
   lora_all_grads  as `lora`, with `set_reduce_scatter_unused_params(True)` on both sides
                   (torch 2.15 only): every trainable parameter gets a gradient, so no flags;
   unfreeze_after  as `lora`, then after one training step the blocks' RMSNorm weights are
@@ -80,7 +80,7 @@ BATCH, SEQ, VOCAB = 2, 32, 256
 SCENARIOS = ("lora", "lora_all_grads", "unfreeze_after", "freeze_after")
 # lora_all_grads: `set_reduce_scatter_unused_params(True)` on both sides (torch 2.15; torch 2.11
 # has no such mode): every trainable parameter gets a gradient, so veragged sends no verdict
-# flags ([Note: unreached parameters] in veragged/dbuffer/grads.py).
+# flags ([Note: unreached parameters] in veragged/dbuffer/grad_layout.py).
 HAS_ALL_GRADS = hasattr(torch.distributed.fsdp.FSDPModule, "set_reduce_scatter_unused_params")
 SIDES = ("torch", "veragged")
 
@@ -179,7 +179,7 @@ def _dbuffer_grad_bytes(model: nn.Module) -> list[int]:
         for g in state.groups:
             b = g.buffer
             if any(p.requires_grad for p in b.params):
-                sizes.append(b._grads.numel() * b._grads.element_size())
+                sizes.append(b.grads.flat.numel() * b.grads.flat.element_size())
     return sizes
 
 

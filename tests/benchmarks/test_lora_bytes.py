@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.fsdp
 
-from veragged.dbuffer.grads import FLAG_ALIGN_BYTES
+from veragged.dbuffer.grad_layout import FLAG_ALIGN_BYTES
 
 HAS_ALL_GRADS = hasattr(torch.distributed.fsdp.FSDPModule, "set_reduce_scatter_unused_params")
 

@@ -91,12 +91,13 @@ def _gradients():
     res = {}
 
     with CopyCounter() as counter:
-        buf.zero_unsharded_grads()
+        buf.grads.zero()
         for i, (_, t) in enumerate(tensors):
-            buf.land_grad(i, rank_grad(i, t, 0))  # stands for the post-accumulate-grad hook
-        buf.reduce_grads()
+            buf.grads.land_one(i, rank_grad(i, t, 0))  # stands for the post-accumulate-grad hook
+        buf.grads.reduce()
     # nothing but the verdict flags each rank writes into every slot ([Note: unreached parameters])
-    res["no_copies"] = counter.copied == world * buf._flags * buf._grads.element_size()
+    flags = world * buf.grads.layout.flags * buf.grads.flat.element_size()
+    res["no_copies"] = counter.copied == flags
     res["grads"] = all(
         isinstance(p.grad, RaggedDTensor)
         and torch.allclose(p.grad.full_tensor(), mean_grad(i, t, 0))
@@ -104,15 +105,15 @@ def _gradients():
     )
     res["grad_views"] = all(
         p.grad._local_tensor.untyped_storage().data_ptr()
-        == buf._shard_grad.untyped_storage().data_ptr()
+        == buf.grads.shard_grad.untyped_storage().data_ptr()
         for p in buf.params
     )
     # accumulation across two reductions; a .grad set to None starts from zero
     buf.params[0].grad = None
-    buf.zero_unsharded_grads()
+    buf.grads.zero()
     for i, (_, t) in enumerate(tensors):
-        buf.land_grad(i, rank_grad(i, t, 1))
-    buf.reduce_grads(accumulate=True)
+        buf.grads.land_one(i, rank_grad(i, t, 1))
+    buf.grads.reduce(accumulate=True)
     res["accumulate"] = all(
         torch.allclose(p.grad.full_tensor(), mean_grad(i, t, 1) + (mean_grad(i, t, 0) if i else 0))
         for i, (p, (_, t)) in enumerate(zip(buf.params, tensors))
@@ -144,11 +145,11 @@ def _mixed_precision_and_hsdp():
         for u, (_, t) in zip(buf.unsharded_params, tensors)
     )
     res["only_cast"] = counter.copied == 0 and counter.cast == buf.shard_size * 2
-    buf.zero_unsharded_grads()
+    buf.grads.zero()
     rank = dist.get_rank()
     for i, (_, t) in enumerate(tensors):
-        buf.land_grad(i, torch.full(t.shape, float(rank)))
-    buf.reduce_grads()
+        buf.grads.land_one(i, torch.full(t.shape, float(rank)))
+    buf.grads.reduce()
     want = sum(range(4)) / 4  # mean over both mesh dims
     res["hsdp_grads"] = all(
         torch.allclose(p.grad.full_tensor(), torch.full(t.shape, want))
@@ -180,12 +181,12 @@ def _compacted():
     world = dist.get_world_size()
     tensors = _tensors()
     buf = DBuffer(tensors, mesh, block_sizes=[b for *_, b in SHAPES])
-    full = buf._grads_numel()
+    full = buf.grads.layout.numel
     n = len(tensors)
 
     res = {}
     mask = [i != 1 for i in range(n)]  # w_rows (the 64 x 24 tensor across slots) frozen
-    buf.set_grad_layout(mask)
+    buf.grads.set_layout(mask)
     sizes = []  # elements each reduce-scatter sends (the list form: slots of different sizes)
     orig, orig_list = dist.reduce_scatter_tensor, dist.reduce_scatter
     dist.reduce_scatter_tensor = lambda out, inp, *a, **k: sizes.append(inp.numel()) or orig(
@@ -193,37 +194,37 @@ def _compacted():
     dist.reduce_scatter = lambda out, inps, *a, **k: sizes.append(
         sum(t.numel() for t in inps)) or orig_list(out, inps, *a, **k)
     try:
-        buf.alloc_unsharded_grads(buf.landing_scale())
+        buf.grads.alloc(buf.grads.landing_scale())
         for i in (0, 2):
-            buf.land_grad(i, rank_grad(i, tensors[i][1]))
-        res["compacted"] = buf._grads_numel() < full
-        buf.land_grad(1, rank_grad(1, tensors[1][1]))  # no room: the layout grows in place
-        res["grew"] = buf.grad_mask == (True,) * n and buf._grads_numel() == full
+            buf.grads.land_one(i, rank_grad(i, tensors[i][1]))
+        res["compacted"] = buf.grads.layout.numel < full
+        buf.grads.land_one(1, rank_grad(1, tensors[1][1]))  # no room: the layout grows in place
+        res["grew"] = buf.grads.mask == (True,) * n and buf.grads.layout.numel == full
         for i in (3, 4):
-            buf.land_grad(i, rank_grad(i, tensors[i][1]))
-        buf.reduce_grads(unreached=[False] * n)
+            buf.grads.land_one(i, rank_grad(i, tensors[i][1]))
+        buf.grads.reduce(unreached=[False] * n)
         res["grads"] = all(
             torch.allclose(p.grad.full_tensor(), mean_grad(i, t))
             for i, (p, (_, t)) in enumerate(zip(buf.params, tensors)))
         # frozen again, with its .grad bound: it keeps the values in memory of its own
         kept = buf.params[1].grad.full_tensor()
-        buf.set_grad_layout(mask, flags=False)
+        buf.grads.set_layout(mask, flags=False)
         res["kept"] = torch.equal(buf.params[1].grad.full_tensor(), kept) and (
             buf.params[1].grad._local_tensor.untyped_storage().data_ptr()
-            != buf._shard_grad.untyped_storage().data_ptr())
+            != buf.grads.shard_grad.untyped_storage().data_ptr())
         res["others_moved"] = all(
             torch.allclose(buf.params[i].grad.full_tensor(), mean_grad(i, tensors[i][1]))
             for i in (0, 2, 3, 4))
         for p in buf.params:
             p.grad = None
-        buf.alloc_unsharded_grads(buf.landing_scale())
+        buf.grads.alloc(buf.grads.landing_scale())
         for i in (0, 2, 3, 4):
-            buf.land_grad(i, rank_grad(i, tensors[i][1]))
-        buf.reduce_grads()
+            buf.grads.land_one(i, rank_grad(i, tensors[i][1]))
+        buf.grads.reduce()
         trainable = sum(t.numel() for i, (_, t) in enumerate(tensors) if mask[i])
         # no flags: each rank's trainable share (rounded up to 16 bytes), nothing else
-        res["no_flags"] = (sizes[-1] == sum(buf._grad_sizes)
-                           and trainable <= sizes[-1] < trainable + world * buf._slot_align)
+        res["no_flags"] = (sizes[-1] == sum(buf.grads.layout.sizes)
+                           and trainable <= sizes[-1] < trainable + world * buf.grads.slot_align)
         res["grads_again"] = buf.params[1].grad is None and all(
             torch.allclose(buf.params[i].grad.full_tensor(), mean_grad(i, tensors[i][1]))
             for i in (0, 2, 3, 4))

@@ -1,5 +1,5 @@
 """`requires_grad_()` after fully_shard: the gradient path shrinks to what requires grad
-([Note: compacted gradients] in veragged/dbuffer/grads.py), with torch's numbers.
+([Note: compacted gradients] in veragged/dbuffer/grad_layout.py), with torch's numbers.
 
 Two ranks (and four, as HSDP 2 x 2) train the same model under torch's fully_shard and
 veragged's in one run, with the trainable set changing between steps as a user's script changes

@@ -158,11 +158,11 @@ def _train(impl: str, variant: str, custom: bool = True):
     groups = None
     if impl == "veragged":
         # ([Note: compacted gradients]: a comm's reduce-scatter slots are the largest rank's)
-        groups = [(g.buffer.world * g.buffer.shard_size,
-                   g.buffer.world * (max(g.buffer._grad_sizes) + g.buffer._flags),
-                   max(g.buffer._grad_sizes) + g.buffer._flags, g.buffer.grad_slots_uniform)
-                  for m in model.modules() if hasattr(m, "_veragged_state")
-                  for g in m._veragged_state.groups]
+        layouts = [(g.buffer, g.buffer.grads.layout)
+                   for m in model.modules() if hasattr(m, "_veragged_state")
+                   for g in m._veragged_state.groups]
+        groups = [(b.world * b.shard_size, b.world * (max(lay.sizes) + lay.flags),
+                   max(lay.sizes) + lay.flags, lay.uniform) for b, lay in layouts]
     return out, params, ag.allocs, ag.calls, rs.allocs, rs.calls, groups
 
 
@@ -273,7 +273,7 @@ def _train_routed(custom: bool):
         out.append({n: _full(p.grad) for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-    flags = model._veragged_state.groups[0].buffer._flags
+    flags = model._veragged_state.groups[0].buffer.grads.layout.flags
     return out, {n: _full(p) for n, p in model.named_parameters()}, len(rs.calls), flags
 
 
@@ -334,9 +334,10 @@ def _process_group_alloc(mode: str):
         model(_data(step)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+    layout = buffer.grads.layout  # [Note: compacted gradients]
     expected = [(buffer.world * buffer.shard_size, torch.float32),  # all-gather
-                (buffer.world * (buffer._grad_slot + buffer._flags), torch.float32),  # RS in
-                (buffer._grad_slot + buffer._flags, torch.float32)]  # and out
+                (buffer.world * (layout.slot + layout.flags), torch.float32),  # RS in
+                (layout.slot + layout.flags, torch.float32)]  # and out
     return {n: _full(p) for n, p in model.named_parameters()}, staged, alloc.sizes, expected
 
 

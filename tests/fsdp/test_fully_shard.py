@@ -131,7 +131,7 @@ def _copies_per_step(kind):
     # veragged writes each rank's has-gradient verdicts (world x F elements per group) into the
     # reduce-scatter input ([Note: unreached parameters]): the only copy it makes (not counted
     # when the counter takes the input for an earlier collective's buffer)
-    flags = sum(g.buffer.world * g.buffer._flags * g.buffer._grads.element_size()
+    flags = sum(g.buffer.world * g.buffer.grads.layout.flags * g.buffer.grads.flat.element_size()
                 for m in model.modules() if hasattr(m, "_veragged_state")
                 for g in m._veragged_state.groups)
     return step.copied - plain.copied, step.cast, flags

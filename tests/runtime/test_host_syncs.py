@@ -60,7 +60,7 @@ def _planted_sync():
 
     src = ("def post_backward(self, ctx):\n"
            "    orig(self, ctx)\n"
-           "    float(self.buffer._grads.sum()) if self.buffer.grads_allocated else None\n")
+           "    float(self.buffer.grads.flat.sum()) if self.buffer.grads.allocated else None\n")
     scope = {"orig": ParamGroup.post_backward}
     exec(compile(src, os.path.join(PACKAGE, "fsdp", "group.py"), "exec"), scope)
     return mock.patch.object(ParamGroup, "post_backward", scope["post_backward"])

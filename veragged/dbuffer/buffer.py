@@ -14,9 +14,10 @@ boundary, S a multiple of `256 / itemsize` so every rank's slot starts 256-byte 
   storage and `unshard()` reallocates the same storage object, so the views (and tensors autograd
   saved from them) stay valid;
 - the *gradient* buffer (P * S elements, the reduce dtype) is where backward's gradients land,
-  one write each ([Note: gradient landing], `grads.py`), and `reduce_scatter_tensor` reads it as
-  is; the result is scaled (and cast) into the sharded gradients, views into one S-element
-  buffer, by one fused kernel.
+  one write each ([Note: gradient landing]), and `reduce_scatter_tensor` reads it as is; the
+  result is scaled (and cast) into the sharded gradients, views into one S-element buffer, by
+  one fused kernel. The gradient side is one object the DBuffer owns, `buffer.grads`
+  (`Gradients`, grads.py), which reads the layout here and writes only its own fields.
 A comm object set for a collective (torch's `set_custom_all_gather`, ...) stages that one in its
 own buffers instead, with the copies torch makes: [Note: custom comms] (`comms.py`).
 With CPU offload (`offload=True`, torch's `CPUOffloadPolicy`) the shard and sharded gradients
@@ -38,8 +39,9 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from veragged.dbuffer import comms, ops
 from veragged.dbuffer.entries import Entry as _Entry, ragged_placement
-from veragged.dbuffer.grads import FLAG_ALIGN_BYTES, GradientPath
-from veragged.dbuffer.memory import ALIGN_BYTES, aligned_empty, alloc_storage, free_storage
+from veragged.dbuffer.grads import Gradients
+from veragged.dbuffer.inflight import PostForwardChunk, StagedGather
+from veragged.dbuffer.memory import ALIGN_BYTES, aligned_empty, free_storage
 from veragged.placement.api import distribute_tensor
 from veragged.placement.tensor import RaggedDTensor, make_spec
 from veragged.placement.redistribute import redistribute
@@ -53,7 +55,13 @@ if TYPE_CHECKING:
 __all__ = ["DBuffer"]
 
 
-class DBuffer(GradientPath):
+def _comm_kind(kind: str) -> str:
+    if kind not in ("all_gather", "reduce_scatter"):
+        raise ValueError(f"DBuffer: a comm is for 'all_gather' or 'reduce_scatter', not {kind!r}")
+    return kind
+
+
+class DBuffer:
     """One parameter group's flat buffers on one mesh; see [Note: DBuffer layout].
 
     Args:
@@ -77,10 +85,15 @@ class DBuffer(GradientPath):
     """
 
     # Collectives through comm objects, and the reduce-scatter's own process group (None: the
-    # default path, the shard group): [Note: custom comms]
+    # default path, the shard group): [Note: custom comms]. Set by `set_comm` and
+    # `set_reduce_scatter_group`.
     all_gather_comm = None
     reduce_scatter_comm = None
     reduce_scatter_group: dist.ProcessGroup | None = None
+
+    # The gradient buffer is the reduce-scatter input (rank-major, slots of Sg_r + F elements);
+    # a subclass landing gradients in another layout sets False and overrides `rank_major`.
+    GRADS_RANK_MAJOR = True
 
     def __init__(
         self,
@@ -121,7 +134,8 @@ class DBuffer(GradientPath):
         self._spmd = list(spmd) if spmd is not None else [None] * len(tensors)
         if len(self._spmd) != len(tensors):
             raise ValueError(f"DBuffer: {len(tensors)} tensors but {len(self._spmd)} spmd entries")
-        self._pin = offload and pin_memory and mesh.device_type != "cpu"
+        # The shard and the sharded gradients in pinned host memory: [Note: offloaded gradients]
+        self.pin_memory = offload and pin_memory and mesh.device_type != "cpu"
         dtype = dtypes.pop()
         # Tensors on the meta device make a meta DBuffer: `apply_` (`to_empty`) materialises it.
         meta = any(t.is_meta for _, t in tensors)
@@ -130,9 +144,8 @@ class DBuffer(GradientPath):
         itemsize = min(d.itemsize for d in (dtype, compute, reduce_dtype or compute))
         S = self.shard_size = self._place(tensors, block_sizes, align=ALIGN_BYTES // itemsize)
         # Gradient room for every tensor until told otherwise: [Note: compacted gradients].
-        self._slot_align = FLAG_ALIGN_BYTES // itemsize  # a compacted slot's size rounds to it
-        self._grad_mask, self._grad_flags = None, True
-        shard = aligned_empty(S, dtype, device, pin_memory=self._pin and not meta)
+        self.grads = Gradients(self, itemsize)
+        shard = aligned_empty(S, dtype, device, pin_memory=self.pin_memory and not meta)
         if not meta:
             shard.zero_()
             with torch.no_grad():
@@ -144,10 +157,7 @@ class DBuffer(GradientPath):
         self.params = self._make_buffers(shard)
         self._gather_handle = None  # the all-gather in flight (runtime Handle)
         self._gathered_params: tuple[int, ...] | None = None  # sharded versions at the gather
-        self._gather_stage = None  # (comm's staging buffer, the all-gather output) until the wait
-        self._reduce = None  # a launched reduce-scatter and how to finish it
-        self._pending = None  # verdicts still being read after it finished (grads.py)
-        self._landing = None  # offloaded gradients still arriving on the host (grads.py)
+        self._gather_stage: StagedGather | None = None  # through a comm, until the wait
 
     def _place(self, tensors, block_sizes, align: int) -> int:
         """Plan where each tensor lives: sets `self.entries` (and `self.layout`), returns S."""
@@ -198,25 +208,17 @@ class DBuffer(GradientPath):
         self.param_dtype = param_dtype if (param_dtype and floating) else self.dtype
         unset = self.dtype if own else self.param_dtype
         self.reduce_dtype = reduce_dtype if (reduce_dtype and floating) else unset
-        params = [self._sharded(e, shard, requires_grad=True) for e in self.entries]
+        params = [self._sharded_param(e, shard) for e in self.entries]
         self._unsharded = torch.empty(self.world * S, dtype=self.param_dtype,
                                       device=self.compute_device)
         self.unsharded_params = [self._unsharded_param(e) for e in self.entries]
-        self._free(self._unsharded)
+        free_storage(self._unsharded)
         self._holds = False
         # Gradients land in the reduce dtype, as torch's FSDP2 copies them into its reduce-scatter
         # input (and accumulates no-sync micro-batches) in it: [Note: gradient landing].
         # Its slots end with the verdict flags: [Note: unreached parameters].
-        self._plan_grads(self._grad_mask, self._grad_flags)
-        self._grads = torch.empty(self._grads_numel(), dtype=self.reduce_dtype,
-                                  device=self.compute_device)
-        self._free(self._grads)
-        self._landed = [True] * len(self.entries)  # which ranges hold a gradient (grads.py)
-        self._shard_grad: torch.Tensor | None = None
-        self._land_scale = 1.0  # what landing gradients are multiplied by (grads.py)
-        self._zero: torch.Tensor | None = None
-        self._post_forward = None  # (kept chunk, group, parameter versions): see `reshard`
-        self._partial: torch.Tensor | None = None  # HSDP sum awaiting its all-reduce
+        self.grads.reset()
+        self._post_forward: PostForwardChunk | None = None  # see `reshard`
         self._gather_keep = None
         return params
 
@@ -235,14 +237,14 @@ class DBuffer(GradientPath):
         Sharded gradients move with their parameters. Returns whether the buffers were re-made
         (the unsharded views are then new objects).
         """
-        self.finish_reduce()
+        self.grads.finish_reduce()
         self.reshard()
         with torch.no_grad():
             new = fn(self.shard)
         if new is self.shard or (new.dtype == self.dtype and new.device == self.device
                                  and new.data_ptr() == self.shard.data_ptr()):
             return False
-        pin = self._pin and new.device.type == "cpu"
+        pin = self.pin_memory and new.device.type == "cpu"
         shard = aligned_empty(self.shard_size, new.dtype, new.device, pin_memory=pin)
         with torch.no_grad():
             shard.copy_(new)
@@ -252,11 +254,11 @@ class DBuffer(GradientPath):
     def _remake(self, shard: torch.Tensor) -> None:
         """Re-make every buffer around `shard` (`apply_`): the old sharded parameters take the
         new contents in place, their sharded gradients move with them."""
-        old_grads = [p.grad for p in self.params]
-        old_shard_grad = self._shard_grad
+        had_grad = [p.grad is not None for p in self.params]
+        old_shard_grad = self.grads.shard_grad
         new_params = self._make_buffers(shard)
         for i, (old, fresh) in enumerate(zip(self.params, new_params)):
-            with torch._C.DisableTorchFunctionSubclass():  # no ragged hooks (see `_sharded`)
+            with torch._C.DisableTorchFunctionSubclass():  # no ragged hooks: `_sharded_param`
                 old.grad = None
                 fresh.requires_grad_(old.requires_grad)
             try:
@@ -272,15 +274,14 @@ class DBuffer(GradientPath):
                 old._local_tensor, old._spec = fresh._local_tensor, fresh._spec
             except RuntimeError:  # another device type: the new object replaces the old one
                 self.params[i] = fresh
-        if old_shard_grad is not None and any(g is not None for g in old_grads):
-            self._shard_grad = self._new_shard_grad()
-            with torch.no_grad():
-                self._shard_grad.copy_(old_shard_grad)
-            for p, e, g, local in zip(self.params, self.entries, old_grads, self._grad_local):
-                if g is not None:
-                    with torch._C.DisableTorchFunctionSubclass():
-                        p.grad = self._sharded(e, self._shard_grad, requires_grad=False,
-                                               local=local)
+        self.grads.rebind_moved(old_shard_grad, had_grad)
+
+    def take_param_(self, i: int, param: torch.nn.Parameter) -> None:
+        """Make the object `param` sharded parameter `i`: it takes parameter i's contents
+        (`torch.utils.swap_tensors`, which raises RuntimeError where it cannot), so what holds
+        it (modules, optimizers) holds this buffer's parameter."""
+        torch.utils.swap_tensors(param, self.params[i])
+        self.params[i] = param
 
     def config(self, indices: Sequence[int]) -> dict:
         """The keyword arguments that make a buffer of this kind and policy holding only the
@@ -356,7 +357,8 @@ class DBuffer(GradientPath):
         """The mesh of tensor `e`'s sharded DTensor (the TP-combined one for a TP tensor)."""
         return self.mesh if e.spmd is None else e.spmd.mesh
 
-    def _shard_view(self, e: _Entry, buf: torch.Tensor, local=None) -> DTensor:
+    def sharded_view(self, e: _Entry, buf: torch.Tensor,
+                     local: tuple[int, int] | None = None) -> DTensor:
         """Tensor `e`'s sharded DTensor over `buf` (the shard, or the shard gradient with this
         rank's elements at `local`: [Note: compacted gradients])."""
         a, b = e.local if local is None else local
@@ -364,11 +366,13 @@ class DBuffer(GradientPath):
         spec = make_spec(self.spec_mesh(e), self.placements(e), e.shape, buf.dtype)
         return RaggedDTensor(local, spec, requires_grad=False)
 
-    def _sharded(self, e: _Entry, buf: torch.Tensor, requires_grad: bool,
-                 local: tuple[int, int] | None = None) -> torch.Tensor:
-        dt = self._shard_view(e, buf, local)
-        if not requires_grad:
-            return dt
+    def new_sharded_param(self, i: int) -> torch.nn.Parameter:
+        """A new sharded parameter object for tensor `i`, over the shard (the one in `params`
+        is not replaced)."""
+        return self._sharded_param(self.entries[i], self.shard)
+
+    def _sharded_param(self, e: _Entry, buf: torch.Tensor) -> torch.nn.Parameter:
+        dt = self.sharded_view(e, buf)
         trainable = buf.dtype.is_floating_point or buf.dtype.is_complex
         # Without the ragged accumulation hooks of `requires_grad_` (the buffer writes the
         # gradients; autograd never accumulates into them): no weak reference to the parameter,
@@ -380,9 +384,6 @@ class DBuffer(GradientPath):
     # views made once with the buffer): [Note: all-gather extensions] (extension.py).
     MAKES_UNSHARDED = False
 
-    _free = staticmethod(free_storage)
-    _alloc = staticmethod(alloc_storage)
-
     # The streams every collective, access and release goes through ([Note: streams and
     # events]): the caller's stream unless fully_shard gives its own (`Streams`).
     rt = current_stream_runtime()
@@ -391,6 +392,33 @@ class DBuffer(GradientPath):
     def key(self, name: str) -> tuple[int, str]:
         """The name of one of this buffer's tensors for the runtime's accesses."""
         return (id(self), name)
+
+    def set_runtime(self, rt) -> None:
+        """Run collectives, accesses and releases through `rt` (`fully_shard`'s lazy init gives
+        every buffer of a tree its root's `Streams`)."""
+        self.rt = rt
+
+    def comm(self, kind: str):
+        """The comm object collective `kind` ("all_gather" or "reduce_scatter") goes through,
+        or None (the default path): [Note: custom comms]."""
+        all_gather = _comm_kind(kind) == "all_gather"
+        return self.all_gather_comm if all_gather else self.reduce_scatter_comm
+
+    def set_comm(self, kind: str, comm) -> None:
+        """Run collective `kind` through `comm` (None: the default path)."""
+        if _comm_kind(kind) == "all_gather":
+            self.all_gather_comm = comm
+        else:
+            self.reduce_scatter_comm = comm
+
+    def set_reduce_scatter_group(self, group: dist.ProcessGroup | None) -> None:
+        """Reduce-scatter on `group` (the shard ranks; None: the shard group itself)."""
+        self.reduce_scatter_group = group
+
+    def replica_dims(self) -> list[int]:
+        """The mesh dims (of more than one rank) that replicate the group: HSDP all-reduces the
+        gradients over them after the reduce-scatter."""
+        return [d for d in range(self.mesh.ndim) if d != self.shard_dim and self.mesh.size(d) > 1]
 
     # --- parameters --------------------------------------------------------------------------
 
@@ -421,7 +449,7 @@ class DBuffer(GradientPath):
     def _release_storage(self) -> None:
         """Free the memory the unsharded parameters live in (once no stream still uses it)."""
         self.rt.reclaim_key(self.key("unsharded"))
-        self._free(self._unsharded)
+        free_storage(self._unsharded)
 
     def unshard(self, async_op: bool = False):
         """All-gather the shards into the unsharded buffer (allocated if freed).
@@ -458,15 +486,16 @@ class DBuffer(GradientPath):
         comm = comm if comms.stages(comm, out.device) else None
         dest = out if comm is None else comms.allocate(comm, out.numel(), out.dtype, out.device)
         group = self.group
-        if post_forward is not None and post_forward[2] == versions:
-            source, group, _ = post_forward  # reshard_after_forward=k: gather within k ranks
+        if post_forward is not None and post_forward.versions == versions:
+            # reshard_after_forward=k: gather within k ranks
+            source, group = post_forward.chunk, post_forward.group
             self._gather_keep = source  # alive until the wait
         elif self.param_dtype == self.dtype and not self.offload:
             source = self.shard
         else:  # cast (or copy to the device) into this rank's own slot, then gather in place
             source = dest[self.rank * S : (self.rank + 1) * S]
             if self.offload:
-                source.copy_(self.shard, non_blocking=self._pin)
+                source.copy_(self.shard, non_blocking=self.pin_memory)
             else:
                 ops.cast_scale_(source, self.shard, 1.0)
         reads = (self.key("kept"),) if source is self._gather_keep else (self.key("shard"),)
@@ -483,7 +512,7 @@ class DBuffer(GradientPath):
             rt.launch("all_gather", reads=reads,
                       writes=(self.key("staged") if comm is not None else written,))
             self._gather_handle = rt.launched(work)
-            self._gather_stage = None if comm is None else (dest, out)
+            self._gather_stage = None if comm is None else StagedGather(dest, out)
 
     def gather_is_current(self) -> bool:
         """Whether the unsharded buffer holds the sharded parameters' current values (no
@@ -501,10 +530,10 @@ class DBuffer(GradientPath):
         self._gather_keep = None
         if stage is not None:  # the comm's staging buffer: [Note: custom comms]
             self.rt.launch("copy", reads=(self.key("staged"),),
-                           writes=(self._gathered_key(stage[1]),))
+                           writes=(self._gathered_key(stage.output),))
             with torch.no_grad():
-                stage[1].copy_(stage[0])
-            self.rt.release(self.key("staged"), stage[0], self._unsharded_stream, "drop")
+                stage.output.copy_(stage.staged)
+            self.rt.release(self.key("staged"), stage.staged, self._unsharded_stream, "drop")
         self._finish_gather()
 
     # The rank-major layout (rank r's slot at [r * S, (r + 1) * S)) is what the collectives move;
@@ -526,10 +555,11 @@ class DBuffer(GradientPath):
             (self._unsharded,), (self._gather_version,)
         )
 
-    def _rank_major(self, full: torch.Tensor, slot: int | None = None) -> torch.Tensor:
+    def rank_major(self, full: torch.Tensor, slot: int | None = None) -> torch.Tensor:
         """`full` (a P * S buffer in the unsharded layout) in the rank-major layout, rank r's
         elements at `[r * slot, r * slot + S)` (`slot` defaults to S; only a subclass whose
-        gradient buffer is not rank-major is asked for a larger one, see grads.py)."""
+        gradient buffer is not rank-major, `GRADS_RANK_MAJOR` False, is asked for a larger one,
+        by `Gradients.reduce`)."""
         return full
 
     def _params_version(self) -> tuple[int, ...]:
@@ -550,9 +580,10 @@ class DBuffer(GradientPath):
             k = post_forward_group.size()
             j = dist.get_group_rank(post_forward_group, dist.get_rank())
             chunk = self._unsharded.numel() // k  # k divides the world, so P * S
-            keep = self._rank_major(self._unsharded)[j * chunk : (j + 1) * chunk].clone()
+            keep = self.rank_major(self._unsharded)[j * chunk : (j + 1) * chunk].clone()
             self.rt.launch("copy", reads=(self.key("unsharded"),), writes=(self.key("kept"),))
-            self._post_forward = (keep, post_forward_group, self._params_version())
+            self._post_forward = PostForwardChunk(keep, post_forward_group,
+                                                  self._params_version())
         if self._holds:  # its memory returns once no stream still reads it
             self.rt.release(self.key("unsharded"), self._unsharded, self._unsharded_stream,
                             "keep" if self.keep_storage else "free")

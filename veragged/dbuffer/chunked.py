@@ -16,7 +16,7 @@ of the all-gather output. These tensors get a DBuffer of their own, laid out as 
   reduce-scatter, as FSDP2 does before its reduce-scatter.
 Everything else (mixed precision, no-sync accumulation, unreached parameters, HSDP,
 `reshard_after_forward=k`) is `DBuffer`'s, which reaches the layouts only through
-`_gather_output`, `_finish_gather` and `_rank_major`.
+`_gather_output`, `_finish_gather` and `rank_major`.
 A tensor/expert-parallel parameter ([Note: FSDP over TP]; torchtitan shards experts `[E, ...]`
 this way when there are fewer local experts than dp ranks) is chunked by its local TP block,
 which TP must cut evenly; its sharded parameter is a torch DTensor on the combined mesh with
@@ -46,7 +46,7 @@ class ChunkedDBuffer(DBuffer):
     `block_sizes`. See [Note: chunked parameters].
     """
 
-    _GRADS_RANK_MAJOR = False  # gradients land in the full layout; `_rank_major` adds the flags
+    GRADS_RANK_MAJOR = False  # gradients land in the full layout; `rank_major` adds the flags
 
     def __init__(self, tensors, mesh, *, dims, **kwargs):
         self._dims = list(dims)
@@ -88,7 +88,7 @@ class ChunkedDBuffer(DBuffer):
     def _local_part(self, e: _Entry, t: torch.Tensor) -> torch.Tensor:
         return t.chunk(self.world, dim=e.placement.dim)[self.rank].reshape(-1)
 
-    def _shard_view(self, e: _Entry, buf: torch.Tensor, local=None) -> DTensor:
+    def sharded_view(self, e: _Entry, buf: torch.Tensor, local=None) -> DTensor:
         shape = list(e.view_shape)
         shape[e.placement.dim] //= self.world
         a, b = e.local if local is None else local  # always e.local: gradients stay in place
@@ -123,7 +123,7 @@ class ChunkedDBuffer(DBuffer):
         self.rt.release(self.key("gathered"), gathered, self._unsharded_stream, "drop")
         super()._finish_gather()
 
-    def _rank_major(self, full: torch.Tensor, slot: int | None = None) -> torch.Tensor:
+    def rank_major(self, full: torch.Tensor, slot: int | None = None) -> torch.Tensor:
         out = full.new_empty(self.world * (slot or self.shard_size))
         with torch.no_grad():
             out.view(self.world, -1)[:, self._used :].zero_()

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 __all__ = [
     "ProcessGroupAllocAllGather", "ProcessGroupAllocReduceScatter", "SymmMemAllGather",
-    "SymmMemReduceScatter", "all_gather", "allocate", "reduce_scatter", "stages",
+    "SymmMemReduceScatter", "all_gather", "allocate", "reduce_scatter", "stage", "stages",
 ]
 
 # torch's own comm classes (None where the installed torch lacks them; 2.11 lacks several).
@@ -79,6 +79,24 @@ def allocate(comm, numel: int, dtype: torch.dtype, device: torch.device) -> torc
             "on that device"
         )
     return t.view(-1)
+
+
+def stage(comm, source: torch.Tensor, world: int, width: int,
+          starts: list[int] | None = None) -> torch.Tensor:
+    """`source` (the gradient buffer: `world` slots, of `width` elements each, or starting at
+    `starts` when their sizes differ) copied into `comm`'s buffer of `world` slots of `width`,
+    each padded with zeros to it (a comm reduce-scatters equal slots:
+    [Note: compacted gradients])."""
+    staged = allocate(comm, world * width, source.dtype, source.device)
+    if starts is None:
+        staged.copy_(source)
+        return staged
+    slots = staged.view(world, width)
+    with torch.no_grad():
+        slots.zero_()
+        for r, (a, b) in enumerate(zip(starts, starts[1:])):
+            slots[r, : b - a].copy_(source[a:b])
+    return staged
 
 
 def all_gather(comm, out: torch.Tensor, source: torch.Tensor, group: dist.ProcessGroup):

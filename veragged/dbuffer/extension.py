@@ -86,7 +86,7 @@ class ExtensionDBuffer(DBuffer):
     given tensors). See [Note: all-gather extensions].
     """
 
-    _GRADS_RANK_MAJOR = False  # gradients land in the full layout; `_rank_major` adds the flags
+    GRADS_RANK_MAJOR = False  # gradients land in the full layout; `rank_major` adds the flags
     MAKES_UNSHARDED = True
 
     def __init__(self, tensors, mesh, *, modules, mp_policy, locals_=None, **kwargs):
@@ -149,7 +149,7 @@ class ExtensionDBuffer(DBuffer):
         if shard.is_meta and not any(t.is_meta for t in self._locals):
             shard = aligned_empty(self.shard_size, shard.dtype, self._locals[0].device)
         super()._make_buffers(shard)
-        self._free(shard)
+        free_storage(shard)
         n = len(self.entries)
         self._outputs: list[list[torch.Tensor]] = [[] for _ in range(n)]  # made once
         self._inner: list[tuple[torch.Tensor, ...]] = [() for _ in range(n)]
@@ -169,10 +169,10 @@ class ExtensionDBuffer(DBuffer):
         spec = make_spec(self.mesh, self.placements(e), e.shape, local.dtype)
         dt = DTensor(local, spec, requires_grad=False)
         trainable = local.dtype.is_floating_point or local.dtype.is_complex
-        with torch._C.DisableTorchFunctionSubclass():  # as DBuffer._sharded
+        with torch._C.DisableTorchFunctionSubclass():  # as DBuffer._sharded_param
             return nn.Parameter(dt, requires_grad=trainable)
 
-    def _shard_view(self, e: _Entry, buf: torch.Tensor, local=None) -> DTensor:
+    def sharded_view(self, e: _Entry, buf: torch.Tensor, local=None) -> DTensor:
         """Tensor `e`'s sharded gradient over `buf`: this rank's rows, plain memory."""
         a, b = e.local if local is None else local
         row = math.prod(e.shape[1:])
@@ -180,7 +180,7 @@ class ExtensionDBuffer(DBuffer):
         spec = make_spec(self.mesh, self.placements(e), e.shape, buf.dtype)
         return DTensor(view, spec, requires_grad=False)
 
-    def _rank_major(self, full: torch.Tensor, slot: int | None = None) -> torch.Tensor:
+    def rank_major(self, full: torch.Tensor, slot: int | None = None) -> torch.Tensor:
         """The full-layout gradients rank-major: rank r's padded chunk of each tensor at its
         offset of slot r (the padding rows were zeroed with the full buffer)."""
         P = self.world
@@ -368,7 +368,7 @@ class ExtensionDBuffer(DBuffer):
     def apply_(self, fn) -> bool:
         """`Module._apply`: `fn` sees each local tensor (a subclass stays one); the parameters
         take the results in place, their gradients move with them (`DBuffer._remake`)."""
-        self.finish_reduce()
+        self.grads.finish_reduce()
         self.reshard()
         old = [p._local_tensor for p in self.params]
         with torch.no_grad():

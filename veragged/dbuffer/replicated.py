@@ -78,7 +78,7 @@ class ReplicatedDBuffer(DBuffer):
         spec = self._specs[e.name]
         return super().spec_mesh(e) if spec is None else spec.mesh
 
-    def _shard_view(self, e: _Entry, buf: torch.Tensor, local=None) -> DTensor:
+    def sharded_view(self, e: _Entry, buf: torch.Tensor, local=None) -> DTensor:
         """Tensor `e`'s DTensor over `buf`: its local block (elements `local`, default its
         own) in the block's shape, under its spec."""
         a, b = e.local if local is None else local

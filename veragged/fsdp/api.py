@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import OrderedDict
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ from veragged.dbuffer.buffer import DBuffer
 from veragged.dbuffer.chunked import ChunkedDBuffer
 from veragged.dbuffer.replicated import ReplicatedDBuffer
 from veragged.dbuffer.extension import ExtensionDBuffer, has_extension
-from veragged.dbuffer.spmd import spmd_param, tp_block_size
+from veragged.dbuffer.spmd import SpmdParam, spmd_param, tp_block_size
 from veragged.fsdp.dp_mesh import DpMesh, resolve_mesh, resolve_placement, split_param
 from veragged.fsdp.group import ParamGroup
 from veragged.fsdp.module import FSDPModule, UnshardHandle
@@ -32,18 +32,6 @@ from veragged.placement.tensor import RaggedDTensor
 from veragged.runtime import caches
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
-
-# [Note: frozen parameters]
-# A DBuffer's reduce-scatter covers the whole buffer ([Note: unreached parameters] needs every
-# rank to issue the same collective), and its gradient buffer is as large as its parameters. So
-# `fully_shard` plans the parameters that require grad and the frozen ones in DBuffers of their
-# own (per mesh and dtype): a LoRA model's backward sends and holds only the adapters, as
-# torch's FSDP2 sends only the parameters with gradients, and a DBuffer whose parameters are all
-# frozen allocates no gradient buffer and reduces nothing. The price is one more all-gather per
-# module whose parameters are mixed. `requires_grad_()` after `fully_shard` keeps the parameter
-# layout but not the gradient one: each backward gives gradient room only to what then requires
-# grad ([Note: compacted gradients]), so a DBuffer's reduce-scatter carries each rank's share of
-# its trainable parameters, whichever were frozen or unfrozen since.
 
 # Original parameters some fully_shard call took: a second call meeting one (a parameter tied
 # across two calls) raises instead of silently untying it.
@@ -221,6 +209,63 @@ def fully_shard(
     are sharded as torch's `Shard(0)` and all-gathered through them
     ([Note: all-gather extensions]). See [Note: fully_shard lifecycle].
     """
+    call = _normalize_args(module, mesh, dp_mesh_dims, reshard_after_forward, mp_policy,
+                           offload_policy)
+    params, shared = _collect_params(call.modules, ignored_params)
+    resolved = _resolve_params(params, shard_placement_fn, call.mesh)
+    groups = [_make_group(bucket, call, granularity_fn) for bucket in _bucket(resolved)]
+    state = FSDPState(call.modules, groups, mp_policy, call.auto)
+    if shared:  # raised at the first forward, as torch does (torch's wording leads)
+        state.init_error = ValueError(
+            f"parameters {shared} are already managed by another fully_shard call (tied "
+            "weights sharded in separate calls); call fully_shard([module_a, module_b]) so "
+            "they land in one group, or shard their common parent"
+        )
+    _install(call.modules, state)
+    return module
+
+
+fully_shard.state = _fully_shard_state
+
+
+class _Call(NamedTuple):
+    """One `fully_shard` call's arguments, checked as torch checks them (`_normalize_args`)."""
+
+    modules: tuple[nn.Module, ...]
+    mesh: DpMesh  # the default mesh: [Note: data-parallel meshes]
+    reshard_after_forward: bool | int
+    auto: bool  # reshard_after_forward=None: True, except for the root (FSDPState)
+    mp_policy: MixedPrecisionPolicy
+    policy: dict  # the DBuffer keyword arguments that the two policies give
+
+
+class _Param(NamedTuple):
+    """One parameter of a `fully_shard` call and where it goes (`_resolve_params`)."""
+
+    fqn: str
+    param: nn.Parameter
+    locations: list[tuple[nn.Module, str]]  # every (module, attribute name) holding it
+    placement: Shard | None  # what shard_placement_fn asked for (None: the default)
+    dp: DpMesh  # its mesh: [Note: data-parallel meshes]
+    inner: torch.Tensor  # what its DBuffer holds (a DTensor: its TP part, [Note: FSDP over TP])
+    view: object | None  # how it is presented on the full SPMD mesh (dp_mesh_dims), or None
+    info: SpmdParam | None  # its tensor-parallel block, or None
+    dim: int | None  # the dim its placement shards (None: the default), checked
+    extension: bool  # its tensor defines all-gather extension hooks
+
+
+class _Bucket(NamedTuple):
+    """Parameters that share one DBuffer (`_bucket`)."""
+
+    dp: DpMesh
+    chunked: bool  # Shard(d > 0): [Note: chunked parameters]
+    extension: bool  # [Note: all-gather extensions]
+    params: list[_Param]
+
+
+def _normalize_args(module, mesh, dp_mesh_dims, reshard_after_forward, mp_policy,
+                    offload_policy) -> _Call:
+    """Check the arguments (torch's errors, in torch's order) and resolve the default mesh."""
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     if not modules:
         raise ValueError("fully_shard got an empty list of modules")
@@ -237,9 +282,9 @@ def fully_shard(
                 "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)"
             )
         if reshard_after_forward == 1:
-            warnings.warn(
+            warnings.warn(  # stacklevel: the caller of fully_shard
                 "reshard_after_forward=1 (int) means resharding parameters to world size 1, "
-                "instead of reshard_after_forward=True (bool)", stacklevel=2,
+                "instead of reshard_after_forward=True (bool)", stacklevel=3,
             )
         _post_forward(reshard_after_forward, default)  # checked against the mesh now
     elif not isinstance(reshard_after_forward, bool):
@@ -251,9 +296,18 @@ def fully_shard(
     if not isinstance(offload_policy, OffloadPolicy):
         raise ValueError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
     offload = isinstance(offload_policy, CPUOffloadPolicy)
+    policy = dict(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
+                  reduce_in_own_dtype=_UNSET_REDUCE_DTYPE_IS_ORIG,
+                  offload=offload, pin_memory=offload and offload_policy.pin_memory)
+    return _Call(modules, default, reshard_after_forward, auto, mp_policy, policy)
+
+
+def _collect_params(modules, ignored_params) -> tuple[list, list[str]]:
+    """The parameters this call takes, [(fqn, param, locations)], refusing ones already
+    sharded; and the fqns of those tied to an earlier call's (an error at lazy init)."""
     ignored = {id(p) for p in ignored_params or ()}
     params = _collect(modules, ignored)
-    shared: list[str] = []  # tied to a parameter of an earlier call: an error at lazy init
+    shared: list[str] = []
     for fqn, p, _ in params:
         if isinstance(p, RaggedDTensor) or getattr(p, "_veragged_fsdp", False):
             raise ValueError(
@@ -262,11 +316,17 @@ def fully_shard(
             )
         if _MANAGED.get(id(p)) is p:
             shared.append(fqn)
-    params = [e for e in params if e[0] not in shared]
-    # Each parameter's mesh and placement (shard_placement_fn), then its model-parallel part:
-    # [Note: data-parallel meshes], [Note: FSDP over TP].
-    where: dict[int, tuple] = {}
-    for fqn, p, _ in params:
+    return [e for e in params if e[0] not in shared], shared
+
+
+def _resolve_params(params, shard_placement_fn, default: DpMesh) -> list[_Param]:
+    """Each parameter's mesh and placement (shard_placement_fn), then its model-parallel part
+    ([Note: data-parallel meshes], [Note: FSDP over TP]), whether its tensor defines all-gather
+    extension hooks (by its type: hooks set on the local tensor later are taken at lazy init,
+    [Note: all-gather extensions]) and the dim it is sharded along; refuses what is not
+    supported, every placement checked (torch's errors) before any is refused."""
+    found = []
+    for fqn, p, locations in params:
         result = shard_placement_fn(p) if shard_placement_fn is not None else None
         placement, dp = resolve_placement(fqn, result, default)
         inner, view = split_param(fqn, p, dp)
@@ -283,89 +343,99 @@ def fully_shard(
                 f"FSDP does not support non-contiguous parameters yet: {fqn!r} has shape "
                 f"{tuple(p.shape)} and stride {p.stride()}"
             )
-        where[id(p)] = (placement, dp, inner, view, info)
-    # Parameters whose tensors define torch's all-gather extension hooks (by their type: hooks
-    # set on the local tensor later are taken at lazy init): [Note: all-gather extensions].
-    ext = {id(p) for fqn, p, _ in params
-           if has_extension(where[id(p)][2]._local_tensor if isinstance(where[id(p)][2], DTensor)
-                            else where[id(p)][2], fqn)}
-    # Every placement is checked (torch's errors) before any is refused as unsupported.
-    dims = {id(p): _shard_dim(f, p, where[id(p)][0], where[id(p)][1].shard_world,
-                              where[id(p)][4])
-            for f, p, _ in params}
-    for fqn, p, _ in params:
-        if id(p) in ext and dims[id(p)]:
+        found.append(_Param(fqn, p, locations, placement, dp, inner, view, info, None, False))
+    found = [r._replace(extension=has_extension(
+        r.inner._local_tensor if isinstance(r.inner, DTensor) else r.inner, r.fqn))
+        for r in found]
+    found = [r._replace(dim=_shard_dim(r.fqn, r.param, r.placement, r.dp.shard_world, r.info))
+             for r in found]
+    for r in found:
+        if r.extension and r.dim:
             raise NotImplementedError(
-                f"all-gather extensions with Shard({dims[id(p)]}) are not supported: {fqn!r} "
+                f"all-gather extensions with Shard({r.dim}) are not supported: {r.fqn!r} "
                 "(its hooks are sharded as Shard(0))"
             )
-        if id(p) in ext and where[id(p)][3] is not None:
+        if r.extension and r.view is not None:
             raise NotImplementedError(
-                f"all-gather extensions with dp_mesh_dims are not supported: {fqn!r}"
+                f"all-gather extensions with dp_mesh_dims are not supported: {r.fqn!r}"
             )
-    # One DBuffer per mesh, dtype and requires_grad ([Note: frozen parameters]); parameters
-    # that shard_placement_fn cuts along a later dim (torch's equal chunks) get one of their
-    # own: [Note: chunked parameters], and so do those with all-gather extensions.
-    by_kind: dict[tuple, list] = {}
+    return found
+
+
+# [Note: frozen parameters]
+# A DBuffer's reduce-scatter covers the whole buffer ([Note: unreached parameters] needs every
+# rank to issue the same collective), and its gradient buffer is as large as its parameters. So
+# `fully_shard` plans the parameters that require grad and the frozen ones in DBuffers of their
+# own (per mesh and dtype): a LoRA model's backward sends and holds only the adapters, as
+# torch's FSDP2 sends only the parameters with gradients, and a DBuffer whose parameters are all
+# frozen allocates no gradient buffer and reduces nothing. The price is one more all-gather per
+# module whose parameters are mixed. `requires_grad_()` after `fully_shard` keeps the parameter
+# layout but not the gradient one: each backward gives gradient room only to what then requires
+# grad ([Note: compacted gradients]), so a DBuffer's reduce-scatter carries each rank's share of
+# its trainable parameters, whichever were frozen or unfrozen since.
+def _bucket(params: list[_Param]) -> list[_Bucket]:
+    """One DBuffer per mesh, dtype and requires_grad ([Note: frozen parameters]); parameters
+    that shard_placement_fn cuts along a later dim (torch's equal chunks) get one of their own
+    ([Note: chunked parameters]), and so do those with all-gather extensions."""
+    by_kind: dict[tuple, list[_Param]] = {}
     meshes: dict[tuple, DpMesh] = {}
-    for entry in params:
-        p = entry[1]
-        dp = where[id(p)][1]
-        meshes.setdefault(dp.key(), dp)
-        chunked = bool(dims[id(p)]) and not dp.replicate_only  # nothing to chunk in DDP mode
-        key = (dp.key(), p.dtype, chunked, p.requires_grad, id(p) in ext)
-        by_kind.setdefault(key, []).append(entry)
-    groups = []
-    for (mesh_key, _, chunked, _, extension), entries in by_kind.items():
-        dp = meshes[mesh_key]
-        rafter, post_forward_group = _post_forward(reshard_after_forward, dp)
-        inners = [where[id(p)][2] for _, p, _ in entries]
-        tensors = [(fqn, t.detach()) for (fqn, _, _), t in zip(entries, inners)]
-        policy = dict(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
-                      reduce_in_own_dtype=_UNSET_REDUCE_DTYPE_IS_ORIG,
-                      offload=offload, pin_memory=offload and offload_policy.pin_memory)
-        infos = [where[id(p)][4] for _, p, _ in entries]
-        if extension:
-            owners = [locs[0][0] for *_, locs in entries]  # the hooks' `module`
-            buffer = ExtensionDBuffer(tensors, dp.mesh, modules=owners, mp_policy=mp_policy,
-                                      spmd=infos, **policy)
-        elif dp.replicate_only:  # torch's DDP mode: [Note: replicated DBuffers]
-            if granularity_fn is not None:
-                raise ValueError(
-                    f"granularity_fn={granularity_fn!r} cannot apply to {[e[0] for e in entries]}: "
-                    "their dp_mesh_dims name no shard dim (DDP mode), nothing is cut"
-                )
-            views = [where[id(p)][3] for _, p, _ in entries]
-            specs = [None if v is None else v.spec for v in views]
-            buffer = ReplicatedDBuffer(tensors, dp.mesh, specs=specs, spmd=infos, **policy)
-        elif chunked:
-            buffer = ChunkedDBuffer(tensors, dp.mesh, dims=[dims[id(p)] for _, p, _ in entries],
-                                    spmd=infos, **policy)
-        else:
-            blocks = [_block_size(f, p, granularity_fn, dims[id(p)], info)
-                      for (f, p, _), info in zip(entries, infos)]
-            buffer = DBuffer(tensors, dp.mesh, block_sizes=blocks, spmd=infos, **policy)
-        for sharded, (_, p, _) in zip(buffer.params, entries):
-            with torch._C.DisableTorchFunctionSubclass():  # no ragged accumulation hooks
-                sharded.requires_grad_(p.requires_grad)
-            _MANAGED[id(p)] = p
-        group = ParamGroup(
-            [f for f, _, _ in entries],
-            [loc for *_, loc in entries],
-            buffer,
-            reshard_after_forward=rafter,
-            post_forward_group=post_forward_group,
-            views=[where[id(p)][3] for _, p, _ in entries],
-        )
-        group.reshard()
-        groups.append(group)
-    state = FSDPState(modules, groups, mp_policy, auto)
-    if shared:  # raised at the first forward, as torch does (torch's wording leads)
-        state.init_error = ValueError(
-            f"parameters {shared} are already managed by another fully_shard call (tied "
-            "weights sharded in separate calls); call fully_shard([module_a, module_b]) so "
-            "they land in one group, or shard their common parent"
-        )
+    for r in params:
+        meshes.setdefault(r.dp.key(), r.dp)
+        chunked = bool(r.dim) and not r.dp.replicate_only  # nothing to chunk in DDP mode
+        key = (r.dp.key(), r.param.dtype, chunked, r.param.requires_grad, r.extension)
+        by_kind.setdefault(key, []).append(r)
+    return [_Bucket(meshes[mesh_key], chunked, extension, entries)
+            for (mesh_key, _, chunked, _, extension), entries in by_kind.items()]
+
+
+def _make_group(bucket: _Bucket, call: _Call, granularity_fn) -> ParamGroup:
+    """The DBuffer of one bucket and its `ParamGroup`, resharded (the sharded parameters
+    registered in their modules)."""
+    rafter, post_forward_group = _post_forward(call.reshard_after_forward, bucket.dp)
+    buffer = _make_buffer(bucket, call, granularity_fn)
+    for sharded, r in zip(buffer.params, bucket.params):
+        with torch._C.DisableTorchFunctionSubclass():  # no ragged accumulation hooks
+            sharded.requires_grad_(r.param.requires_grad)
+        _MANAGED[id(r.param)] = r.param
+    group = ParamGroup(
+        [r.fqn for r in bucket.params],
+        [r.locations for r in bucket.params],
+        buffer,
+        reshard_after_forward=rafter,
+        post_forward_group=post_forward_group,
+        views=[r.view for r in bucket.params],
+    )
+    group.reshard()
+    return group
+
+
+def _make_buffer(bucket: _Bucket, call: _Call, granularity_fn) -> DBuffer:
+    """The kind of DBuffer the bucket's parameters need, holding them."""
+    dp, entries = bucket.dp, bucket.params
+    tensors = [(r.fqn, r.inner.detach()) for r in entries]
+    infos = [r.info for r in entries]
+    if bucket.extension:
+        owners = [r.locations[0][0] for r in entries]  # the hooks' `module`
+        return ExtensionDBuffer(tensors, dp.mesh, modules=owners, mp_policy=call.mp_policy,
+                                spmd=infos, **call.policy)
+    if dp.replicate_only:  # torch's DDP mode: [Note: replicated DBuffers]
+        if granularity_fn is not None:
+            raise ValueError(
+                f"granularity_fn={granularity_fn!r} cannot apply to {[r.fqn for r in entries]}: "
+                "their dp_mesh_dims name no shard dim (DDP mode), nothing is cut"
+            )
+        specs = [None if r.view is None else r.view.spec for r in entries]
+        return ReplicatedDBuffer(tensors, dp.mesh, specs=specs, spmd=infos, **call.policy)
+    if bucket.chunked:
+        return ChunkedDBuffer(tensors, dp.mesh, dims=[r.dim for r in entries], spmd=infos,
+                              **call.policy)
+    blocks = [_block_size(r.fqn, r.param, granularity_fn, r.dim, r.info) for r in entries]
+    return DBuffer(tensors, dp.mesh, block_sizes=blocks, spmd=infos, **call.policy)
+
+
+def _install(modules: tuple[nn.Module, ...], state: FSDPState) -> None:
+    """Make each module an `FSDPModule` run by `state`: its state, torch's composable registry
+    entry, the state-dict hooks, and the class swap."""
     for m in modules:
         m._veragged_state = state
         # torch's composable registry: tooling that asks "is this module fully sharded?"
@@ -377,7 +447,3 @@ def fully_shard(
             _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
                                      {"__deepcopy__": _no_deepcopy})
         m.__class__ = _CLASS_CACHE[cls]
-    return module
-
-
-fully_shard.state = _fully_shard_state

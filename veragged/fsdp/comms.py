@@ -51,14 +51,14 @@ def set_custom_comm(state, kind: str, comm) -> None:
             "different meshes."
         )
     for b in _buffers(state):
-        setattr(b, f"{kind}_comm", comm)
+        b.set_comm(kind, comm)
 
 
 def _check_not_custom(buffers, method: str, allowed: dict[str, tuple]) -> None:
     """torch's AssertionError when a comm it did not install (a custom one) is set."""
     for b in buffers:
         for kind, classes in allowed.items():
-            comm = getattr(b, f"{kind}_comm")
+            comm = b.comm(kind)
             if comm is not None and not isinstance(comm, tuple(c for c in classes if c)):
                 raise AssertionError(
                     f"cannot call {method}() when {_KINDS[kind][1]} comm is custom: "
@@ -77,9 +77,9 @@ def set_allocate_from_process_group(state, enable: bool) -> None:
     _check_not_custom(buffers, method, {"all_gather": (ProcessGroupAllocAllGather,),
                                         "reduce_scatter": (ProcessGroupAllocReduceScatter,)})
     for b in buffers:
-        b.all_gather_comm = ProcessGroupAllocAllGather(b.group) if enable else None
-        b.reduce_scatter_comm = (ProcessGroupAllocReduceScatter(b.reduce_scatter_group or b.group)
-                                 if enable else None)
+        rs_group = b.reduce_scatter_group or b.group
+        b.set_comm("all_gather", ProcessGroupAllocAllGather(b.group) if enable else None)
+        b.set_comm("reduce_scatter", ProcessGroupAllocReduceScatter(rs_group) if enable else None)
 
 
 def set_symm_mem(state, backend: str) -> None:
@@ -106,10 +106,10 @@ def set_symm_mem(state, backend: str) -> None:
         check_symm_mem_buffers(state, state.max_reduce_scatter_buffers, symm=True)
     for g in state.groups:
         b = g.buffer
-        b.all_gather_comm = SymmMemAllGather(b.group, backend)
+        b.set_comm("all_gather", SymmMemAllGather(b.group, backend))
         if g.force_sum_reduction_for_comms:
-            b.reduce_scatter_comm = SymmMemReduceScatter(b.reduce_scatter_group or b.group,
-                                                         backend)
+            b.set_comm("reduce_scatter",
+                       SymmMemReduceScatter(b.reduce_scatter_group or b.group, backend))
 
 
 def check_symm_mem_buffers(state, max_input_buffers: int, symm: bool = False) -> None:
@@ -138,7 +138,7 @@ def set_separate_reduce_scatter_group(states, enable: bool) -> None:
     for state in states:
         for b in _buffers(state):
             if not enable:
-                b.reduce_scatter_group = None
+                b.set_reduce_scatter_group(None)
                 continue
             ranks = tuple(dist.get_process_group_ranks(b.group))
             if ranks not in new_groups:
@@ -149,4 +149,4 @@ def set_separate_reduce_scatter_group(states, enable: bool) -> None:
                 if group == dist.GroupMember.NON_GROUP_MEMBER:  # torch's check
                     raise AssertionError(f"Current rank was not included in process group {ranks}")
                 new_groups[ranks] = group
-            b.reduce_scatter_group = new_groups[ranks]
+            b.set_reduce_scatter_group(new_groups[ranks])

@@ -95,13 +95,12 @@ def _group(g: ParamGroup, indices: list[int], buffer: DBuffer) -> ParamGroup:
             fresh.requires_grad_(old.requires_grad)
         old.grad = None
         try:
-            torch.utils.swap_tensors(old, fresh)
+            buffer.take_param_(k, old)
         except RuntimeError as exc:
             raise RuntimeError(
                 f"parameter {g.fqns[i]!r} cannot move to its all-gather extension group "
                 f"({exc}); set the hooks on its tensor type before fully_shard instead"
             ) from exc
-        buffer.params[k] = old
     new = ParamGroup([g.fqns[i] for i in indices], [g.locations[i] for i in indices], buffer,
                      reshard_after_forward=g.reshard_after_forward,
                      post_forward_group=g.post_forward_group,

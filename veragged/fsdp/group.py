@@ -203,8 +203,7 @@ class ParamGroup:
                     f"{self.buffer.dtype} on {self.buffer.device}: cast or move the module "
                     "fully_shard was applied to (or do it before fully_shard)"
                 )
-            fresh = self.buffer._sharded(self.buffer.entries[i], self.buffer.shard,
-                                         requires_grad=True)
+            fresh = self.buffer.new_sharded_param(i)
             with torch.no_grad():  # same placements: this rank's elements, no communication
                 fresh._local_tensor.view(-1).copy_(p._local_tensor.reshape(-1))
             with torch._C.DisableTorchFunctionSubclass():
@@ -260,14 +259,15 @@ class ParamGroup:
         # Gradient room for what requires grad now ([Note: compacted gradients]); verdict flags
         # unless every trainable parameter gets a gradient ([Note: unreached parameters]).
         room = [s.requires_grad or u.requires_grad for s, u in zip(self.sharded, self.unsharded)]
-        if self._grads_live and self.buffer.grads_allocated:  # keep what accumulated (no-sync)
-            room = [a or b for a, b in zip(room, self.buffer.grad_mask)]
-        self.buffer.set_grad_layout(room, flags=not self.reduce_scatter_unused_params)
-        if not self._grads_live or not self.buffer.grads_allocated:
+        grads = self.buffer.grads
+        if self._grads_live and grads.allocated:  # keep what accumulated (no-sync)
+            room = [a or b for a, b in zip(room, grads.mask)]
+        grads.set_layout(room, flags=not self.reduce_scatter_unused_params)
+        if not self._grads_live or not grads.allocated:
             # Scaled as they land when that is exact, unless an all-reduce hook must see sums.
-            scale = self.buffer.landing_scale(self.gradient_divide_factor,
-                                              allowed=self.all_reduce_hook is None)
-            self.buffer.alloc_unsharded_grads(scale)
+            scale = grads.landing_scale(self.gradient_divide_factor,
+                                        allowed=self.all_reduce_hook is None)
+            grads.alloc(scale)
             self._grads_live = True
 
     def _land(self) -> None:
@@ -276,7 +276,7 @@ class ParamGroup:
         found = [(i, u.grad) for i, u in enumerate(self.unsharded) if u.grad is not None]
         if not found:
             return
-        if not self._grads_live or not self.buffer.grads_allocated:
+        if not self._grads_live or not self.buffer.grads.allocated:
             self._prepare_grads()  # a group whose pre-backward did not run (torch reduces it)
         grads = []
         for i, g in found:
@@ -284,7 +284,7 @@ class ParamGroup:
             view = self.views[i]
             grads.append((i, g if view is None else view.local_grad(g)))
             self._has_grad[i] = True
-        self.buffer.land_grads(grads)
+        self.buffer.grads.land(grads)
 
     def post_backward(self, ctx) -> None:
         """Reduce this backward's gradients (or keep them, without gradient sync) and reshard.
@@ -309,12 +309,12 @@ class ParamGroup:
 
     def _launch_reduce(self, ctx) -> None:
         ctx.before_reduce(self)
-        trainable = [p.requires_grad and m for p, m in zip(self.sharded, self.buffer.grad_mask)]
+        trainable = [p.requires_grad and m for p, m in zip(self.sharded, self.buffer.grads.mask)]
         if self.reduce_scatter_unused_params:  # every trainable parameter gets a gradient
             unreached = None
         else:  # those no rank reached keep None: [Note: unreached parameters]
             unreached = [t and not h for h, t in zip(self._has_grad, trainable)]
-        self.buffer.reduce_grads(
+        self.buffer.grads.reduce(
             accumulate=True,
             divide_factor=self.gradient_divide_factor,
             all_reduce=self.all_reduce_grads,
@@ -333,12 +333,13 @@ class ParamGroup:
         reading it does not stall the host here ([Note: unreached parameters])."""
         bind, self._bind = self._bind, None
         defer = self.training_state == TrainingState.POST_BACKWARD
-        written = self.buffer.finish_reduce(bind=bind, hook=self.all_reduce_hook, defer=defer)
+        written = self.buffer.grads.finish_reduce(bind=bind, hook=self.all_reduce_hook,
+                                                  defer=defer)
         self._run_grad_hooks(written)
 
     def resolve_grads(self) -> None:
         """Bind the gradients whose verdict `finish_reduce` left pending."""
-        self._run_grad_hooks(self.buffer.resolve_grads())
+        self._run_grad_hooks(self.buffer.grads.resolve())
 
     def _run_grad_hooks(self, written: list[bool]) -> None:
         # Hooks registered on the sharded parameters run once their gradient is written (as
@@ -369,9 +370,7 @@ class ParamGroup:
         """Drop everything in flight (`reset_iter_state` after an exception)."""
         self.buffer.wait_unshard()
         self._bind = None
-        self.buffer._reduce = None
-        self.buffer._pending = None
-        self.buffer._partial = None
+        self.buffer.grads.cancel()
         self._grads_live = False
         self._has_grad = [False] * len(self.sharded)
         for u in self.unsharded:

@@ -247,7 +247,7 @@ class FSDPState:
         ctx.streams = for_device(devices[0] if devices else torch.device("cpu"))
         for _, state in found:
             for g in state.groups:
-                g.buffer.rt = ctx.streams
+                g.buffer.set_runtime(ctx.streams)
         if self.auto_reshard_after_forward:
             for g in self.groups:
                 g.reshard_after_forward = False
@@ -499,13 +499,13 @@ class FSDPState:
             raise RuntimeError("FSDP finalize_backward must be called after backward completes")
         for state in ctx.all_states:
             for g in state.groups:
-                if g.buffer._partial is not None:
+                if g.buffer.grads.has_partial:
                     raise RuntimeError(
                         "FSDP manual backward finalization does not support partial gradient "
                         f"reductions for parameter group {g!r}. Use automatic backward "
                         "finalization for this configuration"
                     )
-                if g.reduce_grads and not g.all_reduce_grads and g.buffer._replica_dims():
+                if g.reduce_grads and not g.all_reduce_grads and g.buffer.replica_dims():
                     raise RuntimeError(
                         "FSDP manual backward finalization requires all-reduce for parameter "
                         f"group {g!r}. Call set_requires_all_reduce(True) before finalization"
