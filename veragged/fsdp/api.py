@@ -188,7 +188,7 @@ def fully_shard(
     dp_mesh_dims=None,
     granularity_fn: Callable[[str, nn.Parameter], int | None] | None = None,
 ):
-    """Shard `module`'s parameters (those no inner `fully_shard` took), one DBuffer per dtype.
+    """Shard `module`'s parameters (those no inner `fully_shard` took) into DBuffers (`_bucket`).
 
     Every argument means what it means for `torch.distributed.fsdp.fully_shard`; apply it to
     the blocks first and the root last. `module` may be a list (one group for several

@@ -1,7 +1,8 @@
 """One DBuffer's worth of a `fully_shard` call: parameter swaps, collectives, gradients.
 
-A `fully_shard` call makes one `ParamGroup` per parameter dtype (one DBuffer each); its
-`FSDPState` (`state.py`) drives them through [Note: fully_shard lifecycle].
+A `fully_shard` call makes one `ParamGroup` per DBuffer it builds (one per mesh, dtype and
+requires_grad, and apart for chunked and all-gather-extension parameters: `api.py _bucket`);
+its `FSDPState` (`state.py`) drives them through [Note: fully_shard lifecycle].
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class TrainingState(enum.Enum):
 
 
 class ParamGroup:
-    """The parameters of one dtype that one `fully_shard` call manages, in one DBuffer."""
+    """The parameters of one DBuffer of a `fully_shard` call (one mesh, dtype and
+    requires_grad: `api.py _bucket`)."""
 
     def __init__(
         self,

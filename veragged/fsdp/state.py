@@ -1,7 +1,8 @@
 """The state of one `fully_shard` call and the iteration it moves through.
 
 [Note: fully_shard lifecycle]
-Each `fully_shard` call makes one `FSDPState` holding one `ParamGroup` per parameter dtype.
+Each `fully_shard` call makes one `FSDPState` holding one `ParamGroup` per DBuffer
+(`api.py _bucket`).
 States and groups move through `TrainingState` (IDLE -> FORWARD -> IDLE -> PRE_BACKWARD ->
 POST_BACKWARD -> IDLE), always in the methods below, never elsewhere:
 - Lazy init (first forward or `unshard`): the first state to run is the root of its subtree;

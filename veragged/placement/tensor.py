@@ -7,7 +7,8 @@ cases without patching torch: `isinstance(x, DTensor)` still holds, torch code t
 [Note: ops on RaggedShard DTensors]. DTensors without a RaggedShard stay plain torch DTensors.
 
 [Note: placement layers]
-veragged/placement is layered, each module importing only the ones below it, at top level:
+veragged/placement is layered: a module imports modules of its own layer or below, at top
+level, never one above (inside placement/, only the package file imports ops.py and api.py):
   1. placements and their arithmetic: ragged_shard.py (RaggedShard), layout.py (a layout on an
      N-D mesh), boxes.py (a rank's rows as boxes: checkpoint and reductions), collectives.py;
   2. this module: the tensor classes and their specs (`make_spec`, `cached_spec`);
