@@ -1,7 +1,7 @@
 """Each implementation's own equivalents of the FSDP2 internals that some of torch's tests read.
 
 torch's tests marked `torch_only` in the ports read FSDP2's private state (`FSDPState`,
-`FSDPParamGroup`, `FSDPParam`) or patch its private classes. Their adapted copies
+`FSDPParamGroup`, `FSDPParam`). Their adapted copies
 (`test_adapted_*.py`) run the same steps and assertions against both implementations through
 these functions, which return torch's private value for the torch variant and veragged's value
 of the same meaning (`veragged.fsdp.state.FSDPState`, `veragged.fsdp.group.ParamGroup`) for the
@@ -10,11 +10,9 @@ veragged variant. Nothing here changes what either implementation does.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
@@ -23,7 +21,7 @@ from tests.harness.conformance import impl_name
 __all__ = [
     "all_states", "group_max_input_buffers", "groups_of", "is_root", "lazy_init",
     "managed_param_fqns", "max_input_buffers", "module_fqn", "modules_to_run_forward",
-    "param_fqns", "param_locations", "record_events", "reduce_dtype", "shard_dim", "state_of",
+    "param_fqns", "param_locations", "reduce_dtype", "shard_dim", "state_of",
 ]
 
 
@@ -174,107 +172,3 @@ def shard_dim(placement: Any) -> Optional[int]:
     if dims is not None and getattr(placement, "local_units", None) is not None:
         return 0 if tuple(dims) in ((), (0,)) else None
     return None
-
-
-@contextlib.contextmanager
-def record_events(
-    root: nn.Module, events: list, *, unshard: bool = True, reshard: bool = False,
-    post_backward: bool = True,
-) -> Iterator[None]:
-    """Record `(event, module_fqn, training_state_name)` for the implementation's group
-    `unshard` / `reshard` / `post_backward` calls, as torch's tests do by patching
-    `FSDPParamGroup` (`_get_unshard_with_record` etc. in test_fully_shard_comm.py): no-op
-    unshards (already unsharded or gathering) and the no-op forward reshards of groups that keep
-    their parameters are skipped (for veragged also a reshard of a group that holds nothing
-    unsharded, which frees nothing: veragged calls it on every group at lazy init, where torch's
-    groups get no reshard call); a post-backward is recorded after it ran, with the state it
-    left.
-
-    veragged starts a prefetch's all-gather without changing the target group's state (torch
-    sets the target's state to the phase it prefetches for, FORWARD or PRE_BACKWARD, around the
-    call); an unshard of a group that is not in its own forward or backward (state IDLE, or
-    POST_BACKWARD after an earlier backward of a module run twice) is labelled with that phase:
-    PRE_BACKWARD while autograd runs a backward, FORWARD otherwise.
-    """
-    if _torch():
-        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-        from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import (
-            FSDPParamGroup as cls,
-        )
-
-        def unshard_event(group) -> Optional[tuple]:
-            if group._all_gather_result is None and group._sharded_state != ShardedState.UNSHARDED:
-                return ("unshard", group._module_fqn, group._training_state.name)
-            return None
-
-        def reshard_skipped(group) -> bool:
-            return (group._training_state == TrainingState.FORWARD
-                    and not group._reshard_after_forward)
-
-        def label(group) -> tuple:
-            return group._module_fqn, group._training_state.name
-    else:
-        from veragged.fsdp.group import ParamGroup as cls
-        from veragged.fsdp.group import TrainingState
-
-        def state_name(group) -> str:
-            if group.training_state in (TrainingState.IDLE, TrainingState.POST_BACKWARD):
-                # A prefetch: the group is not running its own forward or backward.
-                in_backward = torch._C._current_graph_task_id() != -1
-                return "PRE_BACKWARD" if in_backward else "FORWARD"
-            return group.training_state.name
-
-        def unshard_event(group) -> Optional[tuple]:
-            if group.needs_gather:
-                return ("unshard", module_fqn(root, group), state_name(group))
-            return None
-
-        def reshard_skipped(group) -> bool:
-            if not group.is_unsharded and not group.buffer.is_unsharded:
-                return True  # nothing to free: a no-op (veragged re-registers at lazy init)
-            return group.training_state == TrainingState.FORWARD and not group.reshard_after_forward
-
-        def label(group) -> tuple:
-            return module_fqn(root, group), group.training_state.name
-
-    patches: dict[str, Callable] = {}
-    if unshard:
-        orig_unshard = cls.unshard
-
-        def unshard_with_record(self, *args, **kwargs):
-            event = unshard_event(self)
-            if event is not None:
-                events.append(event)
-            return orig_unshard(self, *args, **kwargs)
-
-        patches["unshard"] = unshard_with_record
-    if reshard:
-        orig_reshard = cls.reshard
-
-        def reshard_with_record(self, *args, **kwargs):
-            if reshard_skipped(self):
-                return None
-            events.append(("reshard", *label(self)))
-            return orig_reshard(self, *args, **kwargs)
-
-        patches["reshard"] = reshard_with_record
-    if post_backward:
-        orig_post_backward = cls.post_backward
-
-        def post_backward_with_record(self, *args, **kwargs):
-            ret = orig_post_backward(self, *args, **kwargs)
-            events.append(("post_backward", *label(self)))
-            return ret
-
-        patches["post_backward"] = post_backward_with_record
-    originals = {name: getattr(cls, name) for name in patches}
-    dist.barrier()
-    for name, fn in patches.items():
-        setattr(cls, name, fn)
-    try:
-        yield
-    finally:
-        dist.barrier()
-        for name, fn in originals.items():
-            setattr(cls, name, fn)

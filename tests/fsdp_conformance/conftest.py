@@ -58,9 +58,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 # A port imports torch's test helpers by name, as the torch test it comes from; a name the
-# installed torch lacks (torch 2.11 has no `HardwareClassification`, which
-# test_fully_shard_mixed_precision.py imports) would fail collection and stop the whole run. Such
-# a module is skipped instead, naming what is missing; the port itself stays torch's.
+# installed torch lacks (torch 2.11 has no `DataParallelMeshDims`, which
+# test_fully_shard_dtensor.py imports) would fail collection and stop the whole run. Such a
+# module is skipped instead, naming what is missing; the port itself stays torch's.
 def _missing_torch_names(path: pathlib.Path) -> list[str]:
     def has(module, name: str) -> bool:
         if hasattr(module, name):

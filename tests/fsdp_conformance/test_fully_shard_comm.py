@@ -32,6 +32,10 @@
 #
 # `check_sharded_parity` is imported from tests.harness.conformance: torch's assertions, with
 # the reference distributed by veragged.distribute_tensor (torch's rejects RaggedShard).
+# So are `FSDPParamGroup` and `patch_unshard` / `patch_reshard` / `patch_post_backward`, with
+# which the prefetch tests record group events: torch's for the torch class; for veragged they
+# patch its ParamGroup and hand the port's recording functions a view of the group under
+# FSDPParamGroup's private names (`_GroupView` there says how each maps).
 
 import copy
 import functools
@@ -57,15 +61,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 )
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.testing._internal.common_fsdp import (
     DoubleLinear,
     MLP,
-    patch_post_backward,
-    patch_reshard,
-    patch_unshard,
 )
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
@@ -83,9 +83,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.harness.conformance import (
     check_sharded_parity,
     device_type as _conformance_device_type,
+    FSDPParamGroup,
     FSDPTest,
     fully_shard,
     instantiate_conformance_tests,
+    patch_post_backward,
+    patch_reshard,
+    patch_unshard,
     torch_only,
 )
 
@@ -97,14 +101,6 @@ EventType = tuple[str, str, TrainingState]
 
 
 device_type = torch.device(_conformance_device_type)
-
-_PATCHES_FSDP_PARAM_GROUP = (
-    "records unshard/reshard/post_backward events by patching FSDP2's private "
-    "FSDPParamGroup methods (veragged has its own group class, so nothing is recorded). "
-    "Adapted copy, recording the group events of either implementation: "
-    "test_adapted_comm.py::TestAdaptedPrefetch"
-)
-
 
 class TestFullyShardCommunication(FSDPTest):
     # Harness limit per test (not torch's): many subtests, 2 CPU cores shared with other runs
@@ -408,7 +404,6 @@ class TestFullyShardPrefetch(FSDPTest):
     def world_size(self) -> int:
         return 2
 
-    @torch_only(_PATCHES_FSDP_PARAM_GROUP)
     def test_fully_shard_backward_prefetch(self):
         # Activation checkpointing should not affect the expected FSDP events
         self.run_subtests(
@@ -632,7 +627,6 @@ class TestFullyShardPrefetch(FSDPTest):
             self.assertEqual(events, expected_events)
             events.clear()
 
-    @torch_only(_PATCHES_FSDP_PARAM_GROUP)
     def test_set_modules_to_forward_prefetch(self):
         n_layers = 4
         reshard_after_forward = True
@@ -727,7 +721,6 @@ class TestFullyShardPrefetch(FSDPTest):
             self.assertEqual(events, expected_backward_events)
             events.clear()
 
-    @torch_only(_PATCHES_FSDP_PARAM_GROUP)
     def test_set_modules_to_backward_prefetch(self):
         n_layers = 4
         reshard_after_forward = True
@@ -829,7 +822,6 @@ class TestFullyShardPrefetch(FSDPTest):
             self.assertEqual(events, expected_backward_events)
             events.clear()
 
-    @torch_only(_PATCHES_FSDP_PARAM_GROUP)
     def test_set_modules_to_backward_prefetch_inside_ac(self):
         n_layers = 3
         reshard_after_forward = True
@@ -1055,7 +1047,6 @@ class TestFullyShardPrefetch(FSDPTest):
             self.assertEqual(events, expected_backward_events)
             events.clear()
 
-    @torch_only(_PATCHES_FSDP_PARAM_GROUP)
     def test_fully_shard_multi_module_backward_prefetch(self):
         n_layers = 5
         model_args = ModelArgs(
@@ -1138,7 +1129,6 @@ class TestFullyShardPrefetch(FSDPTest):
                 optim.step()
                 optim.zero_grad()
 
-    @torch_only(_PATCHES_FSDP_PARAM_GROUP)
     def test_fully_shard_multi_module_unused_module(self):
         class ModuleWithUnusedLinear(nn.Module):
             def __init__(self) -> None:

@@ -4,7 +4,8 @@
 # commit 153e26036365980a1ffbfa5a1455add240369476 (BSD-3-Clause, Copyright (c) PyTorch
 # contributors). Conformance port: every test runs against torch's and veragged's `fully_shard`
 # (classes <Name>_torch and <Name>_veragged). Changes from the original, and nothing else:
-#   - `fully_shard` and `FSDPTest` come from tests.harness.conformance, the device is CPU
+#   - `fully_shard`, `FSDPTest` and `HardwareClassification` (torch's, or the same enum on a
+#     torch without it) come from tests.harness.conformance, the device is CPU
 #     (`device_type`), the backend gloo;
 #   - world size: min(4, accelerator count) -> 4 (the 2-D and 3-D meshes need it);
 #   - `@skip_if_lt_x_gpu(...)` removed; the `device` argument that
@@ -32,12 +33,12 @@ from torch.distributed.tensor import (
     Shard,
 )
 from torch.testing._internal.common_fsdp import MLP
-from torch.testing._internal.common_utils import HardwareClassification
 
 from tests.harness.conformance import (
     device_type as _conformance_device_type,
     FSDPTest,
     fully_shard,
+    HardwareClassification,
     instantiate_conformance_tests,
     torch_only,
 )

@@ -4,8 +4,9 @@
 # at commit 003a6c0a80952ae0ecfe7827b7b0d3c0515e4d25 (BSD-3-Clause, Copyright (c) PyTorch
 # contributors). Conformance port: torch's test code and assertions are kept; only the device
 # (cuda -> cpu), the backend (nccl -> gloo: the `@unittest.skipIf(DISTRIBUTED_BACKEND != "nccl")`
-# decorators go), the world size (2) and the import of `fully_shard`
-# (tests.harness.conformance dispatches to torch's or veragged's) changed,
+# decorators go), the world size (2) and the imports of `fully_shard`
+# (tests.harness.conformance dispatches to torch's or veragged's) and `HardwareClassification`
+# (the harness's: torch's, or the same enum on a torch without it) changed,
 # `@skip_if_lt_x_gpu` is removed, FSDPTest / FSDPTestMultiThread are the harness's FSDPTest,
 # and `instantiate_device_type_tests(..., except_for=["cpu"])` is replaced by
 # `instantiate_conformance_tests`. `@requires_nccl_version` is kept (a no-op without CUDA).
@@ -51,7 +52,6 @@ from torch.testing._internal.common_fsdp import (
     reduce_scatter_with_assert,
 )
 from torch.testing._internal.common_utils import (
-    HardwareClassification,
     MI300_ARCH,
     skipIfRocmArch,
     skipIfRocmVersionLessThan,
@@ -64,6 +64,7 @@ from tests.harness.conformance import (
     device_type as _conformance_device_type,
     FSDPTest,
     fully_shard,
+    HardwareClassification,
     instantiate_conformance_tests,
 )
 

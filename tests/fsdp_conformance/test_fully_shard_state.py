@@ -7,6 +7,7 @@
 #   - `fully_shard` (with `fully_shard.state`, which gives the state of the implementation under
 #     test) and the test base class (FSDPTestMultiThread -> FSDPTest: ranks are processes) come
 #     from tests.harness.conformance; the world size stays 1;
+#   - `HardwareClassification` too (torch's, or the same enum on a torch without it);
 #   - `run_tests()` -> `instantiate_conformance_tests(globals())`.
 
 import copy
@@ -14,11 +15,11 @@ import copy
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.common_fsdp import MLP
-from torch.testing._internal.common_utils import HardwareClassification
 
 from tests.harness.conformance import (
     FSDPTest,
     fully_shard,
+    HardwareClassification,
     instantiate_conformance_tests,
 )
 

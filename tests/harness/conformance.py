@@ -34,7 +34,10 @@ distribute a full tensor with a sharded parameter's placements import it from he
 class), `torch_fails(reason)` (skips, on the torch class, a test from a newer torch that the
 installed torch's own fully_shard fails), `RegisterPostBackwardFunction` and
 `patch_register_post_backward_hook_backward` (FSDP2's private autograd function, or veragged's of
-the same role, per class), `fully_shard.state`, `compiled_fsdp_test` (torch's decorator, patching the dispatching `fully_shard`), and
+the same role, per class), `FSDPParamGroup` and `patch_unshard` / `patch_reshard` /
+`patch_post_backward` (FSDP2's parameter group, or veragged's `ParamGroup` seen through
+`_GroupView`, per class), `HardwareClassification` (torch's, or its members on a torch without
+it), `fully_shard.state`, `compiled_fsdp_test` (torch's decorator, patching the dispatching `fully_shard`), and
 `FSDPTest.conformance_timeout_s` (per-class limit of one test, default 120 s; pytest-timeout's
 limit is raised to match). Ports alias `FSDPTestMultiThread = FSDPTest`: ranks are processes.
 """
@@ -61,10 +64,12 @@ from veragged.placement import distribute_tensor
 from tests.harness.device import test_device
 from tests.harness.pool import get_pool
 
-__all__ = ["IMPLS", "DEFAULT_TIMEOUT_S", "FSDPTest", "RegisterPostBackwardFunction",
-           "check_sharded_parity", "compiled_fsdp_test", "device_type", "distribute_tensor",
-           "fully_shard", "impl_name", "instantiate_conformance_tests",
-           "patch_register_post_backward_hook_backward", "torch_fails", "torch_only"]
+__all__ = ["IMPLS", "DEFAULT_TIMEOUT_S", "FSDPParamGroup", "FSDPTest", "HardwareClassification",
+           "RegisterPostBackwardFunction", "check_sharded_parity", "compiled_fsdp_test",
+           "device_type", "distribute_tensor", "fully_shard", "impl_name",
+           "instantiate_conformance_tests", "patch_post_backward",
+           "patch_register_post_backward_hook_backward", "patch_reshard", "patch_unshard",
+           "torch_fails", "torch_only"]
 
 IMPLS = ("torch", "veragged")
 DEFAULT_TIMEOUT_S = 120.0
@@ -74,9 +79,26 @@ device_type = test_device()  # "cpu", or "cuda" under VERAGGED_TEST_DEVICE=cuda
 
 _IMPL = "torch"  # implementation under test in this (rank) process; set by _run_test
 _IN_RANK = False  # True while a rank runs a shipped test body
+_veragged_sharded: list = []  # the modules the running test gave veragged.fully_shard
 # VERAGGED_CONFORMANCE_TORCH_ONLY=run runs the torch_only tests on veragged too (to audit the
 # marks: each should fail there for the reason it gives, or its mark should go).
 _RUN_TORCH_ONLY = os.environ.get("VERAGGED_CONFORMANCE_TORCH_ONLY", "") == "run"
+
+
+# torch's tag of a test class's hardware (`hw_classification = HardwareClassification.GENERIC`),
+# read only by torch's own runner to filter tests (`--hw-classification`). torch 2.11 has no such
+# enum, and a port importing it from torch would be skipped whole there (conftest.py), so the
+# ports import it from here: torch's where it exists, else one with torch's members.
+try:
+    from torch.testing._internal.common_utils import HardwareClassification
+except ImportError:
+    class HardwareClassification(Enum):  # torch 2.15's members
+        GENERIC = "generic"
+        ACCELERATOR = "accelerator"
+        CPU = "cpu"
+        CUDA = "cuda"
+        MPS = "mps"
+        XPU = "xpu"
 
 
 def impl_name() -> str:
@@ -101,7 +123,11 @@ class _FullyShard:
     __name__ = __qualname__ = "fully_shard"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _impl_fully_shard()(*args, **kwargs)
+        out = _impl_fully_shard()(*args, **kwargs)
+        if _IMPL == "veragged" and _IN_RANK:  # for `_GroupView._module_fqn`
+            module = args[0] if args else kwargs["module"]
+            _veragged_sharded.extend(module if isinstance(module, (list, tuple)) else [module])
+        return out
 
     def __eq__(self, other: object) -> bool:
         if other is self:
@@ -174,6 +200,142 @@ def patch_register_post_backward_hook_backward(new_backward: Callable):
         cls.backward = orig_backward
 
 
+class _GroupView:
+    """A veragged `ParamGroup` under the private names of torch's `FSDPParamGroup` that torch's
+    tests record events with (test_fully_shard_comm.py's `_get_unshard_with_record` etc.); any
+    other attribute is the group's own.
+
+    `_module_fqn`: the fqn, from the root, of the module(s) of the group's fully_shard call,
+    ", "-joined (None before lazy init, as torch's). `_training_state`: torch's member of the
+    same name. `_all_gather_result` / `_sharded_state`: None / SHARDED exactly when `unshard`
+    would all-gather (`ParamGroup.needs_gather`), else a marker / UNSHARDED, so torch's
+    "skip no-ops" test reads veragged's. `_reshard_after_forward`: the group's.
+
+    In an `unshard` call only: veragged starts a prefetch's all-gather without changing the
+    target group's state, where torch sets it to the phase prefetched for (FORWARD,
+    PRE_BACKWARD) around the call; a group in neither its own forward nor its own backward
+    (IDLE, or POST_BACKWARD after an earlier backward of a module run twice) reads as the phase
+    the call runs in: PRE_BACKWARD inside autograd's backward, FORWARD outside it.
+    """
+
+    def __init__(self, group: Any, method: str):
+        self._group, self._method = group, method
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._group, name)
+
+    @property
+    def _module_fqn(self) -> Optional[str]:
+        states = [m._get_fsdp_state() for m in _veragged_sharded]
+        owners = [s for s in states if any(g is self._group for g in s.groups)]
+        if not owners:
+            raise AssertionError(f"{self._group!r} comes from no fully_shard call of this test")
+        state = owners[0]
+        roots = [s for s in state.ctx.all_states if s.is_root]
+        if not roots:
+            return None
+        names: dict[int, str] = {}
+        for name, m in roots[0].modules[0].named_modules(remove_duplicate=False):
+            names.setdefault(id(m), name)
+        return ", ".join(names[id(m)] for m in state.modules)
+
+    @property
+    def _training_state(self) -> Any:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        name = self._group.training_state.name
+        if self._method == "unshard" and name in ("IDLE", "POST_BACKWARD"):
+            name = "PRE_BACKWARD" if torch._C._current_graph_task_id() != -1 else "FORWARD"
+        return TrainingState[name]
+
+    @property
+    def _all_gather_result(self) -> Any:
+        return None if self._group.needs_gather else "in flight or done"
+
+    @property
+    def _sharded_state(self) -> Any:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+        return ShardedState.SHARDED if self._group.needs_gather else ShardedState.UNSHARDED
+
+    @property
+    def _reshard_after_forward(self) -> bool:
+        return self._group.reshard_after_forward
+
+
+class _FSDPParamGroupClass:
+    """torch's `FSDPParamGroup` for the torch class. For the veragged class, `ParamGroup`
+    with each method (looked up when read, as a port reads `FSDPParamGroup.unshard` before
+    patching it) taking a `_GroupView`, which the `patch_*` functions below hand the port's
+    recording function in place of the group."""
+
+    def __getattr__(self, name: str) -> Any:
+        if _IMPL == "torch":
+            from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+            return getattr(FSDPParamGroup, name)
+        from veragged.fsdp.group import ParamGroup
+
+        method = getattr(ParamGroup, name)
+        if not callable(method):
+            return method
+
+        @functools.wraps(method)
+        def on_group(view: _GroupView, *args: Any, **kwargs: Any) -> Any:
+            return method(view._group, *args, **kwargs)
+
+        return on_group
+
+    def __repr__(self) -> str:
+        return f"<conformance FSDPParamGroup -> {_IMPL}>"
+
+
+FSDPParamGroup = _FSDPParamGroupClass()
+
+
+@contextlib.contextmanager
+def _patch_group_method(name: str, new: Callable):
+    """torch's `common_fsdp.patch_<name>` for the torch class; for veragged, `ParamGroup.<name>`
+    calls `new(_GroupView(group, name), ...)`, except a `reshard` of a group that holds nothing
+    unsharded (veragged calls it on every group at lazy init; it frees nothing, and torch makes
+    no such call), which runs unrecorded."""
+    if _IMPL == "torch":
+        with getattr(common_fsdp, f"patch_{name}")(new):
+            yield
+        return
+    from veragged.fsdp.group import ParamGroup
+
+    orig = getattr(ParamGroup, name)
+
+    def patched(group: Any, *args: Any, **kwargs: Any) -> Any:
+        if name == "reshard" and not group.is_unsharded and not group.buffer.is_unsharded:
+            return orig(group, *args, **kwargs)
+        return new(_GroupView(group, name), *args, **kwargs)
+
+    dist.barrier()
+    setattr(ParamGroup, name, patched)
+    try:
+        yield
+    finally:
+        dist.barrier()
+        setattr(ParamGroup, name, orig)
+
+
+def patch_unshard(new_unshard: Callable):
+    """torch's `common_fsdp.patch_unshard` on the implementation's group class."""
+    return _patch_group_method("unshard", new_unshard)
+
+
+def patch_reshard(new_reshard: Callable):
+    """torch's `common_fsdp.patch_reshard` on the implementation's group class."""
+    return _patch_group_method("reshard", new_reshard)
+
+
+def patch_post_backward(new_post_backward: Callable):
+    """torch's `common_fsdp.patch_post_backward` on the implementation's group class."""
+    return _patch_group_method("post_backward", new_post_backward)
+
+
 def _code_of(fn: Any) -> Any:
     while isinstance(fn, functools.partial):
         fn = fn.func
@@ -198,9 +360,14 @@ def _collectives_through_public_names():
     `dist.all_gather_single`) see every reduce-scatter and all-gather of either implementation,
     whichever name it calls; unpatched, nothing changes. Called from inside the patched
     function (a port keeping `orig = dist.reduce_scatter_tensor`), a legacy name is torch's
-    collective itself, so the patch runs once per collective."""
+    collective itself, so the patch runs once per collective. On a torch without the `_single`
+    names, `_single_names_as_legacy` instead."""
     from torch.distributed import distributed_c10d as c10d
 
+    if not hasattr(c10d, "reduce_scatter_single"):
+        with _single_names_as_legacy():
+            yield
+        return
     pairs = [(legacy, single) for legacy, single in (
         ("reduce_scatter_tensor", "reduce_scatter_single"),
         ("all_gather_into_tensor", "all_gather_single"),
@@ -225,6 +392,32 @@ def _collectives_through_public_names():
     finally:
         for legacy, original in originals.items():
             setattr(dist, legacy, original)
+
+
+@contextlib.contextmanager
+def _single_names_as_legacy():
+    """On a torch without `reduce_scatter_single` / `all_gather_single` (2.11; newer ports call
+    them, in `torch.distributed` and in its functional collectives), while a test runs those
+    names are the older functions of the same parameters: `dist.reduce_scatter_tensor`,
+    `dist.all_gather_into_tensor`, `funcol.reduce_scatter_tensor`, `funcol.all_gather_tensor`.
+    That torch's `patch_reduce_scatter` / `patch_all_gather` patch the older names, which both
+    implementations call, so a port's `orig = dist.reduce_scatter_single` is the unpatched
+    collective, as on a newer torch."""
+    import torch.distributed._functional_collectives as funcol
+
+    aliases = [(module, single, getattr(module, legacy)) for module, single, legacy in (
+        (dist, "reduce_scatter_single", "reduce_scatter_tensor"),
+        (dist, "all_gather_single", "all_gather_into_tensor"),
+        (funcol, "reduce_scatter_single", "reduce_scatter_tensor"),
+        (funcol, "all_gather_single", "all_gather_tensor"),
+    ) if not hasattr(module, single)]
+    for module, single, fn in aliases:
+        setattr(module, single, fn)
+    try:
+        yield
+    finally:
+        for module, single, _ in aliases:
+            delattr(module, single)
 
 
 def compiled_fsdp_test(compile_compute_on_module: Optional[type] = None):
@@ -437,6 +630,7 @@ def _run_test(path: str, module_name: str, qualname: str, method: str,
         return str(exc) or "skipped"
     finally:
         _IMPL, _IN_RANK = "torch", False
+        _veragged_sharded.clear()
         common_fsdp.fully_shard = zoo_fully_shard
     return None
 
