@@ -34,17 +34,25 @@ from tests.harness.conformance import (
     FSDPTest,
     fully_shard,
     instantiate_conformance_tests,
+    torch_fails,
 )
 
 
 device_type = torch.device(_conformance_device_type)
 
 
+# The installed torch's own fully_shard cannot pass these ports from 2.15 (skipped on its
+# `_torch` variant below 2.15; the `_veragged` variant runs):
+_NO_MAX_INPUT_BUFFERS = (
+    "torch 2.11's FSDPModule has no set_reduce_scatter_max_input_buffers"
+)
+
 class TestAdaptedCommunication(FSDPTest):
     @property
     def world_size(self) -> int:
         return 2
 
+    @torch_fails(_NO_MAX_INPUT_BUFFERS, before="2.15")
     def test_reduce_scatter_max_input_buffers_resolves_to_max(self):
         """
         Per-module reduce-scatter input-buffer caps share one pipeline (a single

@@ -91,6 +91,7 @@ from tests.harness.conformance import (
     patch_reshard,
     patch_unshard,
     torch_only,
+    torch_fails,
 )
 
 
@@ -101,6 +102,19 @@ EventType = tuple[str, str, TrainingState]
 
 
 device_type = torch.device(_conformance_device_type)
+
+# The installed torch's own fully_shard cannot pass these ports from 2.15 (skipped on its
+# `_torch` variant below 2.15; the `_veragged` variant runs):
+_NO_MAX_INPUT_BUFFERS = (
+    "torch 2.11's FSDPModule has no set_reduce_scatter_max_input_buffers"
+)
+_OTHER_EVENT_ORDER = (
+    "torch 2.11's FSDP2 records these events in another order (the port asserts 2.15's)"
+)
+_OTHER_DIVISIONS = (
+    "torch 2.11's fully_shard makes another number of aten.div calls with divide_factor=1.0 "
+    "than the 2.15 port counts"
+)
 
 class TestFullyShardCommunication(FSDPTest):
     # Harness limit per test (not torch's): many subtests, 2 CPU cores shared with other runs
@@ -199,6 +213,7 @@ class TestFullyShardCommunication(FSDPTest):
             bwd_comm_counts[c10d_ops._reduce_scatter_base_], num_fsdp_modules
         )
 
+    @torch_fails(_NO_MAX_INPUT_BUFFERS, before="2.15")
     def test_set_reduce_scatter_max_input_buffers(self):
         """
         Tests that ``set_reduce_scatter_max_input_buffers`` is a pure
@@ -274,6 +289,7 @@ class TestFullyShardCommunication(FSDPTest):
         "veragged's StateContext.max_reducing and FSDPState.max_reduce_scatter_buffers: "
         "test_adapted_comm.py::TestAdaptedCommunication"
     )
+    @torch_fails(_NO_MAX_INPUT_BUFFERS, before="2.15")
     def test_reduce_scatter_max_input_buffers_resolves_to_max(self):
         """
         Per-module reduce-scatter input-buffer caps share one pipeline (a single
@@ -306,6 +322,7 @@ class TestFullyShardCommunication(FSDPTest):
         self.assertEqual(block0_pg.reduce_scatter_max_input_buffers, expected_max)
         self.assertEqual(block1_pg.reduce_scatter_max_input_buffers, 1)
 
+    @torch_fails(_NO_MAX_INPUT_BUFFERS, before="2.15")
     def test_set_reduce_scatter_max_input_buffers_validation(self):
         model = fully_shard(nn.Linear(16, 16))
         # Non-positive -> ValueError
@@ -822,6 +839,7 @@ class TestFullyShardPrefetch(FSDPTest):
             self.assertEqual(events, expected_backward_events)
             events.clear()
 
+    @torch_fails(_OTHER_EVENT_ORDER, before="2.15")
     def test_set_modules_to_backward_prefetch_inside_ac(self):
         n_layers = 3
         reshard_after_forward = True
@@ -1129,6 +1147,7 @@ class TestFullyShardPrefetch(FSDPTest):
                 optim.step()
                 optim.zero_grad()
 
+    @torch_fails(_OTHER_EVENT_ORDER, before="2.15")
     def test_fully_shard_multi_module_unused_module(self):
         class ModuleWithUnusedLinear(nn.Module):
             def __init__(self) -> None:
@@ -1437,6 +1456,7 @@ class TestFullyShardReduceOpWorldSize1(FSDPTest):
         "shard is flat, [32]). Adapted copy, comparing the full gradient: "
         "test_adapted_comm.py::TestAdaptedReduceOpWorldSize1"
     )
+    @torch_fails(_OTHER_DIVISIONS, before="2.15")
     @parametrize("divide_factor", [None, 1.0, 2.0])
     def test_singleton_copy_division(self, divide_factor):
         divisions = []

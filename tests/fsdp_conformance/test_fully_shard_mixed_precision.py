@@ -66,11 +66,19 @@ from tests.harness.conformance import (
     fully_shard,
     HardwareClassification,
     instantiate_conformance_tests,
+    torch_fails,
 )
 
 
 device_type = torch.device(_conformance_device_type)
 
+
+# The installed torch's own fully_shard cannot pass these ports from 2.15 (skipped on its
+# `_torch` variant below 2.15; the `_veragged` variant runs):
+_FAILS_ON_2_11 = (
+    "torch 2.11's own fully_shard fails it (setStorage out of bounds, storage of a "
+    "TensorWrapper, or a float/bfloat16 mismatch when recomputing); the port is from 2.15"
+)
 
 class TestFullyShardMixedPrecisionTraining(FSDPTest):
     # Harness limit per test (not torch's): many subtests, 2 CPU cores shared with other runs
@@ -365,6 +373,7 @@ class TestFullyShardMixedPrecisionTraining(FSDPTest):
             if param.grad is not None:
                 param.grad.div_(group.size())
 
+    @torch_fails(_FAILS_ON_2_11, before="2.15")
     def test_structured_input_output(self):
         """
         Tests numeric parity between FSDP and a reference model when using
@@ -544,6 +553,7 @@ class TestFullyShardMixedPrecisionJVP(FSDPTest):
     def world_size(self) -> int:
         return 2
 
+    @torch_fails(_FAILS_ON_2_11, before="2.15")
     @requires_nccl_version((2, 10), "Need NCCL 2.10+ for bf16 collectives")
     def test_no_warmup_jvp_reshard_after_forward_false(self):
         dtype = torch.bfloat16
@@ -729,6 +739,7 @@ class TestFullyShardMixedPrecisionCasts(FSDPTest):
             torch.float16 if enable_submodule_cast else torch.float32,
         )
 
+    @torch_fails(_FAILS_ON_2_11, before="2.15")
     @skipIfRocmArch(MI300_ARCH)  # https://github.com/pytorch/pytorch/issues/182988
     @requires_nccl_version((2, 10), "Need NCCL 2.10+ for bf16 collectives")
     def test_checkpoint_recompute_casts_forward_inputs(self):
@@ -736,6 +747,7 @@ class TestFullyShardMixedPrecisionCasts(FSDPTest):
             recompute_cast="input",
         )
 
+    @torch_fails(_FAILS_ON_2_11, before="2.15")
     @requires_nccl_version((2, 10), "Need NCCL 2.10+ for bf16 collectives")
     def test_checkpoint_recompute_casts_outputs(self):
         self._test_checkpoint_recompute_casts(

@@ -31,13 +31,15 @@ torch's placements to torch's `distribute_tensor`, returning what it returns; po
 distribute a full tensor with a sharded parameter's placements import it from here),
 `check_sharded_parity` (torch's, distributing the reference with that `distribute_tensor`),
 `torch_only(reason)` (skips a test that inspects FSDP2's private state on the veragged
-class), `torch_fails(reason)` (skips, on the torch class, a test from a newer torch that the
-installed torch's own fully_shard fails), `RegisterPostBackwardFunction` and
+class), `torch_fails(reason, before=None)` (skips, on the torch class, a test from a newer
+torch that the installed torch's own fully_shard fails: always, or below torch `before`),
+`RegisterPostBackwardFunction` and
 `patch_register_post_backward_hook_backward` (FSDP2's private autograd function, or veragged's of
 the same role, per class), `FSDPParamGroup` and `patch_unshard` / `patch_reshard` /
 `patch_post_backward` (FSDP2's parameter group, or veragged's `ParamGroup` seen through
 `_GroupView`, per class), `HardwareClassification` (torch's, or its members on a torch without
-it), `fully_shard.state`, `compiled_fsdp_test` (torch's decorator, patching the dispatching `fully_shard`), and
+it), `fully_shard.state`, `compiled_fsdp_test` (torch's decorator, patching the dispatching
+`fully_shard`), and
 `FSDPTest.conformance_timeout_s` (per-class limit of one test, default 120 s; pytest-timeout's
 limit is raised to match). Ports alias `FSDPTestMultiThread = FSDPTest`: ranks are processes.
 """
@@ -503,16 +505,24 @@ def torch_only(reason: str) -> Callable:
     return decorator
 
 
-def torch_fails(reason: str) -> Callable:
+def torch_fails(reason: str, *, before: str | None = None) -> Callable:
     """Mark a test, taken from a torch newer than the installed one, that the installed torch's
-    own `fully_shard` fails (a bug fixed after it): its `_torch` variant is skipped with
-    `reason`, the `_veragged` variant runs."""
+    own `fully_shard` fails (a bug fixed after it, a behaviour or API it lacks): its `_torch`
+    variant is skipped with `reason`, on every torch or, with `before="2.15"`, on torch older
+    than that; the `_veragged` variant runs."""
 
     def decorator(fn):
-        fn._conformance_torch_fails = reason
+        if before is None or _torch_older_than(before):
+            fn._conformance_torch_fails = reason
         return fn
 
     return decorator
+
+
+def _torch_older_than(version: str) -> bool:
+    """Whether the installed torch's release is older than `version` ("2.15")."""
+    installed = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return installed < tuple(int(x) for x in version.split(".")[:2])
 
 
 class FSDPTest(TestCase):
