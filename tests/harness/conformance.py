@@ -24,7 +24,9 @@ seeds as torch's FSDPTest does (`set_rng_seed()`), calls the port's own `setUp`/
 defines them, and runs the original method body. A port's `setUp`/`tearDown` only run on the
 ranks, never in the driver. `unittest.SkipTest` raised on a rank skips the test. While a test
 runs, torch's model zoo (`common_fsdp.fully_shard`, used by e.g. `MLPStack.parallelize`) shards
-with the implementation under test too.
+with the implementation under test too. The implementation under test and the stand-ins for
+FSDP2's private pieces (`fully_shard`, `RegisterPostBackwardFunction`, `FSDPParamGroup` and
+the patches) live in tests/harness/conformance_impl.py; they are re-exported here.
 
 Also here: `distribute_tensor` (`veragged.distribute_tensor`, which knows RaggedShard and hands
 torch's placements to torch's `distribute_tensor`, returning what it returns; ports that
@@ -63,6 +65,17 @@ from torch.testing._internal import common_fsdp
 from torch.testing._internal.common_utils import TestCase, set_rng_seed
 
 from veragged.placement import distribute_tensor
+from tests.harness.conformance_impl import (
+    STATE,
+    FSDPParamGroup,
+    RegisterPostBackwardFunction,
+    fully_shard,
+    impl_name,
+    patch_post_backward,
+    patch_register_post_backward_hook_backward,
+    patch_reshard,
+    patch_unshard,
+)
 from tests.harness.device import test_device
 from tests.harness.pool import get_pool
 
@@ -79,9 +92,6 @@ _POOL_START_ALLOWANCE_S = 180.0  # pytest-timeout: the class's limit plus a (re)
 _PYTEST_TIMEOUT = importlib.util.find_spec("pytest_timeout") is not None
 device_type = test_device()  # "cpu", or "cuda" under VERAGGED_TEST_DEVICE=cuda
 
-_IMPL = "torch"  # implementation under test in this (rank) process; set by _run_test
-_IN_RANK = False  # True while a rank runs a shipped test body
-_veragged_sharded: list = []  # the modules the running test gave veragged.fully_shard
 # VERAGGED_CONFORMANCE_TORCH_ONLY=run runs the torch_only tests on veragged too (to audit the
 # marks: each should fail there for the reason it gives, or its mark should go).
 _RUN_TORCH_ONLY = os.environ.get("VERAGGED_CONFORMANCE_TORCH_ONLY", "") == "run"
@@ -101,241 +111,6 @@ except ImportError:
         CUDA = "cuda"
         MPS = "mps"
         XPU = "xpu"
-
-
-def impl_name() -> str:
-    """The implementation under test in this process: "torch" or "veragged"."""
-    return _IMPL
-
-
-def _impl_fully_shard() -> Callable[..., Any]:
-    if _IMPL == "torch":
-        from torch.distributed.fsdp import fully_shard as impl
-    else:
-        from veragged import fully_shard as impl
-    return impl
-
-
-class _FullyShard:
-    """`torch.distributed.fsdp.fully_shard` or `veragged.fully_shard`, per `impl_name()`.
-
-    Compares equal to both (torch's tests use `fully_shard != torch.distributed.fsdp.fully_shard`
-    to tell the eager function from `compiled_fsdp_test`'s compiling wrapper)."""
-
-    __name__ = __qualname__ = "fully_shard"
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out = _impl_fully_shard()(*args, **kwargs)
-        if _IMPL == "veragged" and _IN_RANK:  # for `_GroupView._module_fqn`
-            module = args[0] if args else kwargs["module"]
-            _veragged_sharded.extend(module if isinstance(module, (list, tuple)) else [module])
-        return out
-
-    def __eq__(self, other: object) -> bool:
-        if other is self:
-            return True
-        from torch.distributed.fsdp import fully_shard as torch_impl
-
-        from veragged import fully_shard as veragged_impl
-        return other is torch_impl or other is veragged_impl
-
-    def __ne__(self, other: object) -> bool:
-        return not self == other
-
-    __hash__ = object.__hash__
-
-    def __repr__(self) -> str:
-        return f"<conformance fully_shard -> {_IMPL}>"
-
-    def state(self, module: Any) -> Any:
-        """`fully_shard.state(module)` of the implementation under test (torch's composable
-        API gives the function this attribute; an implementation without it raises the
-        AttributeError a user's call would)."""
-        return _impl_fully_shard().state(module)
-
-
-fully_shard = _FullyShard()
-
-
-class _ImplClass:
-    """A private class of FSDP2 that torch's tests patch, standing for the implementation's own
-    class of the same role: attribute reads and writes go to torch's class or veragged's,
-    per `impl_name()` at the time of the access."""
-
-    def __init__(self, torch_path: str, veragged_path: str):
-        object.__setattr__(self, "_paths", {"torch": torch_path, "veragged": veragged_path})
-
-    def resolve(self) -> type:
-        module_name, _, cls_name = self._paths[_IMPL].rpartition(".")
-        return getattr(importlib.import_module(module_name), cls_name)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.resolve(), name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self.resolve(), name, value)
-
-    def __repr__(self) -> str:
-        return f"<conformance {self._paths[_IMPL]}>"
-
-
-# FSDP2's autograd function whose backward runs the post-backward of a module's parameters;
-# veragged's has the same role and signature (`backward(ctx, *grads)`).
-RegisterPostBackwardFunction = _ImplClass(
-    "torch.distributed.fsdp._fully_shard._fsdp_param_group.RegisterPostBackwardFunction",
-    "veragged.fsdp.state.RegisterPostBackwardFunction",
-)
-
-
-@contextlib.contextmanager
-def patch_register_post_backward_hook_backward(new_backward: Callable):
-    """torch's `common_fsdp.patch_register_post_backward_hook_backward`, on the class of the
-    implementation under test (see `RegisterPostBackwardFunction`)."""
-    cls = RegisterPostBackwardFunction.resolve()
-    orig_backward = cls.backward
-    dist.barrier()
-    cls.backward = new_backward
-    try:
-        yield
-    finally:
-        dist.barrier()
-        cls.backward = orig_backward
-
-
-class _GroupView:
-    """A veragged `ParamGroup` under the private names of torch's `FSDPParamGroup` that torch's
-    tests record events with (test_fully_shard_comm.py's `_get_unshard_with_record` etc.); any
-    other attribute is the group's own.
-
-    `_module_fqn`: the fqn, from the root, of the module(s) of the group's fully_shard call,
-    ", "-joined (None before lazy init, as torch's). `_training_state`: torch's member of the
-    same name. `_all_gather_result` / `_sharded_state`: None / SHARDED exactly when `unshard`
-    would all-gather (`ParamGroup.needs_gather`), else a marker / UNSHARDED, so torch's
-    "skip no-ops" test reads veragged's. `_reshard_after_forward`: the group's.
-
-    In an `unshard` call only: veragged starts a prefetch's all-gather without changing the
-    target group's state, where torch sets it to the phase prefetched for (FORWARD,
-    PRE_BACKWARD) around the call; a group in neither its own forward nor its own backward
-    (IDLE, or POST_BACKWARD after an earlier backward of a module run twice) reads as the phase
-    the call runs in: PRE_BACKWARD inside autograd's backward, FORWARD outside it.
-    """
-
-    def __init__(self, group: Any, method: str):
-        self._group, self._method = group, method
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._group, name)
-
-    @property
-    def _module_fqn(self) -> Optional[str]:
-        states = [m._get_fsdp_state() for m in _veragged_sharded]
-        owners = [s for s in states if any(g is self._group for g in s.groups)]
-        if not owners:
-            raise AssertionError(f"{self._group!r} comes from no fully_shard call of this test")
-        state = owners[0]
-        roots = [s for s in state.ctx.all_states if s.is_root]
-        if not roots:
-            return None
-        names: dict[int, str] = {}
-        for name, m in roots[0].modules[0].named_modules(remove_duplicate=False):
-            names.setdefault(id(m), name)
-        return ", ".join(names[id(m)] for m in state.modules)
-
-    @property
-    def _training_state(self) -> Any:
-        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-        name = self._group.training_state.name
-        if self._method == "unshard" and name in ("IDLE", "POST_BACKWARD"):
-            name = "PRE_BACKWARD" if torch._C._current_graph_task_id() != -1 else "FORWARD"
-        return TrainingState[name]
-
-    @property
-    def _all_gather_result(self) -> Any:
-        return None if self._group.needs_gather else "in flight or done"
-
-    @property
-    def _sharded_state(self) -> Any:
-        from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-
-        return ShardedState.SHARDED if self._group.needs_gather else ShardedState.UNSHARDED
-
-    @property
-    def _reshard_after_forward(self) -> bool:
-        return self._group.reshard_after_forward
-
-
-class _FSDPParamGroupClass:
-    """torch's `FSDPParamGroup` for the torch class. For the veragged class, `ParamGroup`
-    with each method (looked up when read, as a port reads `FSDPParamGroup.unshard` before
-    patching it) taking a `_GroupView`, which the `patch_*` functions below hand the port's
-    recording function in place of the group."""
-
-    def __getattr__(self, name: str) -> Any:
-        if _IMPL == "torch":
-            from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
-            return getattr(FSDPParamGroup, name)
-        from veragged.fsdp.group import ParamGroup
-
-        method = getattr(ParamGroup, name)
-        if not callable(method):
-            return method
-
-        @functools.wraps(method)
-        def on_group(view: _GroupView, *args: Any, **kwargs: Any) -> Any:
-            return method(view._group, *args, **kwargs)
-
-        return on_group
-
-    def __repr__(self) -> str:
-        return f"<conformance FSDPParamGroup -> {_IMPL}>"
-
-
-FSDPParamGroup = _FSDPParamGroupClass()
-
-
-@contextlib.contextmanager
-def _patch_group_method(name: str, new: Callable):
-    """torch's `common_fsdp.patch_<name>` for the torch class; for veragged, `ParamGroup.<name>`
-    calls `new(_GroupView(group, name), ...)`, except a `reshard` of a group that holds nothing
-    unsharded (veragged calls it on every group at lazy init; it frees nothing, and torch makes
-    no such call), which runs unrecorded."""
-    if _IMPL == "torch":
-        with getattr(common_fsdp, f"patch_{name}")(new):
-            yield
-        return
-    from veragged.fsdp.group import ParamGroup
-
-    orig = getattr(ParamGroup, name)
-
-    def patched(group: Any, *args: Any, **kwargs: Any) -> Any:
-        if name == "reshard" and not group.is_unsharded and not group.buffer.is_unsharded:
-            return orig(group, *args, **kwargs)
-        return new(_GroupView(group, name), *args, **kwargs)
-
-    dist.barrier()
-    setattr(ParamGroup, name, patched)
-    try:
-        yield
-    finally:
-        dist.barrier()
-        setattr(ParamGroup, name, orig)
-
-
-def patch_unshard(new_unshard: Callable):
-    """torch's `common_fsdp.patch_unshard` on the implementation's group class."""
-    return _patch_group_method("unshard", new_unshard)
-
-
-def patch_reshard(new_reshard: Callable):
-    """torch's `common_fsdp.patch_reshard` on the implementation's group class."""
-    return _patch_group_method("reshard", new_reshard)
-
-
-def patch_post_backward(new_post_backward: Callable):
-    """torch's `common_fsdp.patch_post_backward` on the implementation's group class."""
-    return _patch_group_method("post_backward", new_post_backward)
 
 
 def _code_of(fn: Any) -> Any:
@@ -565,7 +340,7 @@ class FSDPTest(TestCase):
 def _shipped(name: str, fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        if _IN_RANK:
+        if STATE.in_rank:
             return fn(self, *args, **kwargs)
         cls = type(self)
         results = get_pool(self.world_size).run(
@@ -584,7 +359,7 @@ def _rank_only(name: str, fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        if _IN_RANK:
+        if STATE.in_rank:
             return fn(self, *args, **kwargs)
         return getattr(TestCase, name)(self)
 
@@ -614,11 +389,10 @@ def _import_test_module(path: str, module_name: str):
 def _run_test(path: str, module_name: str, qualname: str, method: str,
               impl: str) -> Optional[str]:
     """Rank side of a shipped test; returns None, or the reason if the test skipped itself."""
-    global _IMPL, _IN_RANK
     cls = _import_test_module(os.path.abspath(path), module_name)
     for part in qualname.split("."):
         cls = getattr(cls, part)
-    _IMPL, _IN_RANK = impl, True
+    STATE.impl, STATE.in_rank = impl, True
     zoo_fully_shard = common_fsdp.fully_shard  # MLPStack.parallelize etc. shard with it
     common_fsdp.fully_shard = fully_shard
     try:
@@ -639,8 +413,8 @@ def _run_test(path: str, module_name: str, qualname: str, method: str,
     except unittest.SkipTest as exc:
         return str(exc) or "skipped"
     finally:
-        _IMPL, _IN_RANK = "torch", False
-        _veragged_sharded.clear()
+        STATE.impl, STATE.in_rank = "torch", False
+        STATE.sharded.clear()
         common_fsdp.fully_shard = zoo_fully_shard
     return None
 
