@@ -1,26 +1,39 @@
-// plan_layout: input checks, the three tensor orders, and the search over shard sizes.
+// plan_layout: input checks, the lower bound, the tensor orders, and the search over shard sizes.
 //
 // [Note: shard-size search]
 // Algorithm 1 classifies each tensor of a valid layout as (1) inside one shard, (2) straddling
 // one boundary, or (3) containing a whole shard. Tensors of case 3 cross several boundaries, so
-// S must be a multiple of their blocks: S is a multiple of L = lcm(align, blocks of the case-3
-// set). Enumerating case-3 sets is exponential; like the paper we take only prefixes of the
-// tensors sorted by numel (largest first, since only large tensors can contain a shard), so L
-// runs through a divisor chain with at most ~63 distinct values. Per L, feasibility is treated
-// as monotone in k for S = k * L and the smallest feasible k is found by galloping up from the
-// lower bound and then bisecting; every answer is a greedy placement that succeeded, so it is
-// always valid even where monotonicity fails. The chain stops once L reaches the best S found:
-// this is what keeps LCM explosion (Megatron-style chunking) from costing padding or time.
+// S is a multiple of L = lcm(align, blocks of the case-3 set). Call P_L(S) "a layout at S in
+// this order whose case-3 tensors all have blocks dividing L". Inserting L elements of padding
+// in every shard, just before the first tensor that starts in it, turns a layout at S = k * L
+// into one at (k + 1) * L, so P_L is monotone in k (the paper's argument). The greedy placement
+// decides the looser P(S) ("any layout at S in this order", case 3 wherever the block divides
+// S), and P_L(S) implies P(S). Galloping up from the lower bound and bisecting over k with P
+// therefore ends at a feasible S no larger than the least S with P_L: every k it rules out has
+// not P, so not P_L, nor P_L below it.
+// Every layout's case-3 set has some lcm L, so searching every L that is an lcm of align and a
+// set of blocks finds the least S of the order exactly. Only tensors with numel >= S can hold a
+// shard, so only their blocks count, and L below the best S found so far: lattice_units()
+// builds that closure smallest first, capped at kMaxLatticeUnits, and adds the paper's
+// divisor chain (blocks of the tensors sorted by numel, largest first) so that the search is
+// never worse than the paper's. Stopping at the best S found is also what keeps LCM explosion
+// (Megatron-style chunking) from costing padding or time.
+// For the fill orders, chosen while placing, P is not monotone in k and the search is a
+// heuristic; for the exact placement ([Note: exact placement] in exact.cpp) P(S) is "some order
+// fits at S", monotone per L like each order's, so its answer is the least S of all layouts.
 
 #include <algorithm>
 #include <cstddef>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
+#include "planner/exact.h"
 #include "planner/greedy.h"
 #include "planner/planner.h"
 
@@ -56,17 +69,17 @@ void check_inputs(const std::vector<int64_t>& numels, const std::vector<int64_t>
   if (align < 1) fail("align must be >= 1, got " + std::to_string(align));
   int64_t total = 0;
   for (size_t t = 0; t < numels.size(); ++t) {
-    const std::string at = "[" + std::to_string(t) + "]";
-    if (numels[t] < 0) fail("numels" + at + " must be >= 0, got " + std::to_string(numels[t]));
+    auto at = [t] { return "[" + std::to_string(t) + "]"; };
+    if (numels[t] < 0) fail("numels" + at() + " must be >= 0, got " + std::to_string(numels[t]));
     if (block_sizes[t] < 1) {
-      fail("block_sizes" + at + " must be >= 1, got " + std::to_string(block_sizes[t]));
+      fail("block_sizes" + at() + " must be >= 1, got " + std::to_string(block_sizes[t]));
     }
     if (numels[t] % block_sizes[t] != 0) {
-      fail("block_sizes" + at + " = " + std::to_string(block_sizes[t]) +
-           " does not divide numels" + at + " = " + std::to_string(numels[t]));
+      fail("block_sizes" + at() + " = " + std::to_string(block_sizes[t]) +
+           " does not divide numels" + at() + " = " + std::to_string(numels[t]));
     }
     if (numels[t] > kMax / 2 - total) {
-      fail("the total numel overflows int64 at numels" + at + " = " + std::to_string(numels[t]));
+      fail("the total numel overflows int64 at numels" + at() + " = " + std::to_string(numels[t]));
     }
     total += numels[t];
   }
@@ -90,15 +103,17 @@ class ShardSearch {
   // Smallest feasible multiple of `unit` below `best`, or `best` if none is found.
   int64_t smallest_multiple(int64_t unit, int64_t best) const {
     int64_t lo = ceil_div(lower_, unit);  // first candidate k, feasibility unknown
-    const int64_t k_best = ceil_div(best, unit);  // k * unit >= best for k >= k_best
-    if (lo >= k_best) return best;
-    // Gallop: lo stays the smallest k not yet known infeasible, hi the first feasible found.
+    const int64_t top = ceil_div(best, unit) - 1;  // the largest k with k * unit < best
+    if (lo > top) return best;
+    // The largest candidate first: where it fails, P_L fails at every k below it too, so most
+    // orders that cannot beat the best so far cost one placement per lattice.
+    if (!feasible(top * unit)) return best;
+    // Gallop up from lo: lo stays the smallest k not known infeasible, hi the first feasible.
     int64_t step = 1;
     int64_t hi = lo;
-    while (!feasible(hi * unit)) {
+    while (hi < top && !feasible(hi * unit)) {
       lo = hi + 1;
-      if (hi + step >= k_best) return best;
-      hi += step;
+      hi = std::min(hi + step, top);
       step *= 2;
     }
     while (lo < hi) {
@@ -118,19 +133,84 @@ class ShardSearch {
   int64_t lower_;
 };
 
-// Units of the lattices S = k * L in [Note: shard-size search], smallest first, each < best.
-std::vector<int64_t> lattice_units(std::vector<Item> items, int64_t align, int64_t best) {
+// The tensors by numel, largest first (then block, largest first): the order of the lower
+// bound, the lattice units and the paper's divisor chain.
+std::vector<Item> sorted_by_size(std::vector<Item> items) {
   std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
     return a.numel != b.numel ? a.numel > b.numel : a.block > b.block;
   });
+  return items;
+}
+
+// [Note: lower bound]
+// Any layout has S >= ceil(total / m), S >= every non-empty block (a block lies in one shard)
+// and S a multiple of align. A tensor longer than 2S holds two rank boundaries S apart, so its
+// block divides S. With the tensors sorted by numel, largest first, the ones longer than 2S are
+// a prefix; for each prefix the least S consistent with it (a multiple of the lcm of its blocks,
+// with the next tensor no longer than 2S, and 2S shorter than the prefix's last tensor) is a
+// candidate, and the smallest candidate bounds every layout. benchmarks/planner.py computes the
+// same bound independently, in Python.
+int64_t bound_of(const std::vector<Item>& by_size, int64_t total, int64_t world_size,
+                 int64_t align) {
+  if (total == 0) return 0;
+  int64_t max_block = 0;
+  for (const Item& item : by_size) {
+    if (item.numel > 0) max_block = std::max(max_block, item.block);
+  }
+  const int64_t need = std::max(ceil_div(total, world_size), max_block);
+  int64_t best = kMax;
+  int64_t unit = align;  // lcm of align and the blocks of the prefix
+  int64_t shortest_long = kMax;
+  for (std::size_t i = 0; i <= by_size.size(); ++i) {
+    const int64_t numel = i < by_size.size() ? by_size[i].numel : 0;  // past the end: no tensor
+    const int64_t size = round_up(std::max(need, ceil_div(numel, 2)), unit);
+    if (size <= (shortest_long - 1) / 2) best = std::min(best, size);  // 2 * size < shortest
+    if (numel == 0) break;
+    const int64_t factor = by_size[i].block / std::gcd(unit, by_size[i].block);
+    if (unit > (best - 1) / factor) break;  // every longer prefix needs S >= best
+    unit *= factor;
+    shortest_long = numel;
+  }
+  return best;
+}
+
+// The paper's divisor chain: lcm of align and the blocks of the largest tensors, each < best.
+std::vector<int64_t> chain_units(const std::vector<Item>& by_size, int64_t align, int64_t best) {
   std::vector<int64_t> units{align};
   int64_t unit = align;
-  for (const Item& item : items) {
+  for (const Item& item : by_size) {
     const int64_t factor = item.block / std::gcd(unit, item.block);
     if (unit > (best - 1) / factor) break;  // the lcm reaches best: no multiple can improve
     unit *= factor;
     if (unit != units.back()) units.push_back(unit);
   }
+  return units;
+}
+
+// Units of the lattices S = k * L in [Note: shard-size search], smallest first, each < best.
+std::vector<int64_t> lattice_units(const std::vector<Item>& by_size, int64_t align,
+                                   int64_t lower, int64_t best) {
+  std::vector<int64_t> blocks;  // of the tensors that can hold a whole shard: numel >= S
+  for (const Item& item : by_size) {
+    if (item.numel < lower) break;
+    if (align % item.block != 0) blocks.push_back(item.block);
+  }
+  std::sort(blocks.begin(), blocks.end());
+  blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
+  std::vector<int64_t> units{align};
+  for (int64_t block : blocks) {
+    const std::size_t known = units.size();
+    for (std::size_t i = 0; i < known; ++i) {
+      const int64_t factor = block / std::gcd(units[i], block);
+      if (units[i] <= (best - 1) / factor) units.push_back(units[i] * factor);
+    }
+    std::sort(units.begin(), units.end());
+    units.erase(std::unique(units.begin(), units.end()), units.end());
+    if (units.size() > kMaxLatticeUnits) units.resize(kMaxLatticeUnits);
+  }
+  for (int64_t unit : chain_units(by_size, align, best)) units.push_back(unit);
+  std::sort(units.begin(), units.end());
+  units.erase(std::unique(units.begin(), units.end()), units.end());
   return units;
 }
 
@@ -159,17 +239,35 @@ Placer fixed_order(std::vector<Item> items, std::vector<int64_t> perm) {
   };
 }
 
-// A placer for the fill order (place_filling), or nullptr when the group has too many classes.
-Placer fill_order(const std::vector<Item>& items) {
-  FillClasses classes = make_fill_classes(items);
-  if (classes.kinds.size() > kMaxFillClasses) return nullptr;
-  return [classes = std::move(classes), n = items.size()](
-             int64_t shard, int64_t limit, std::vector<int64_t>* order,
-             std::vector<int64_t>* starts) {
+// A placer for a fill order (place_filling), or nullptr when the group has too many classes.
+Placer fill_order(const FillClasses& classes, const std::vector<Item>& items, FillRule rule) {
+  if (classes.blocked.size() > kMaxFillClasses) return nullptr;
+  return [&classes, &items, rule, n = items.size()](int64_t shard, int64_t limit,
+                                                    std::vector<int64_t>* order,
+                                                    std::vector<int64_t>* starts) {
     std::vector<int64_t> chosen(starts != nullptr || order != nullptr ? n : 0);
     std::vector<int64_t> placed(starts != nullptr ? n : 0);
-    const int64_t end = place_filling(classes, shard, limit, chosen.empty() ? nullptr : &chosen,
+    const int64_t end = place_filling(classes, items, rule, shard, limit,
+                                      chosen.empty() ? nullptr : &chosen,
                                       placed.empty() ? nullptr : &placed);
+    if (order != nullptr) *order = chosen;
+    if (starts != nullptr) {
+      for (std::size_t i = 0; i < n; ++i) (*starts)[chosen[i]] = placed[i];
+    }
+    return end;
+  };
+}
+
+// A placer for the exact search (ExactPlacer), or nullptr when the group is too large for it.
+Placer exact_order(const ExactPlacer& exact, std::size_t n) {
+  if (exact.states() == 0) return nullptr;
+  return [&exact, n](int64_t shard, int64_t limit, std::vector<int64_t>* order,
+                     std::vector<int64_t>* starts) {
+    std::vector<int64_t> chosen(starts != nullptr || order != nullptr ? n : 0);
+    std::vector<int64_t> placed(starts != nullptr ? n : 0);
+    const int64_t end = exact.place(shard, limit, chosen.empty() ? nullptr : &chosen,
+                                    placed.empty() ? nullptr : &placed);
+    if (end == kNever) return end;
     if (order != nullptr) *order = chosen;
     if (starts != nullptr) {
       for (std::size_t i = 0; i < n; ++i) (*starts)[chosen[i]] = placed[i];
@@ -206,18 +304,27 @@ const char* order_name(Order order) {
       return "shape";
     case Order::kFill:
       return "fill";
+    case Order::kFillLarge:
+      return "fill_large";
+    case Order::kExact:
+      return "exact";
   }
   return "unknown";
 }
 
+int64_t lower_bound(const std::vector<int64_t>& numels, const std::vector<int64_t>& block_sizes,
+                    int64_t world_size, int64_t align) {
+  check_inputs(numels, block_sizes, world_size, align);
+  std::vector<int64_t> all(numels.size());
+  std::iota(all.begin(), all.end(), 0);
+  const int64_t total = std::accumulate(numels.begin(), numels.end(), int64_t{0});
+  return bound_of(sorted_by_size(items_in(numels, block_sizes, all)), total, world_size, align);
+}
+
 Plan plan_layout(const std::vector<int64_t>& numels, const std::vector<int64_t>& block_sizes,
-                 int64_t world_size, int64_t align) {
+                 int64_t world_size, int64_t align, int64_t max_exact_states) {
   check_inputs(numels, block_sizes, world_size, align);
   const int64_t total = std::accumulate(numels.begin(), numels.end(), int64_t{0});
-  int64_t max_block = 0;  // a block lies inside one shard, so S >= every non-empty block
-  for (std::size_t t = 0; t < numels.size(); ++t) {
-    if (numels[t] > 0) max_block = std::max(max_block, block_sizes[t]);
-  }
 
   Plan plan;
   plan.starts.assign(numels.size(), 0);
@@ -225,19 +332,40 @@ Plan plan_layout(const std::vector<int64_t>& numels, const std::vector<int64_t>&
   std::iota(plan.permutation.begin(), plan.permutation.end(), 0);
   if (total == 0) return plan;  // nothing to place: S = 0, every tensor empty at offset 0
 
-  const int64_t lower = round_up(std::max(ceil_div(total, world_size), max_block), align);
+  const std::vector<Item> given = items_in(numels, block_sizes, plan.permutation);
+  const std::vector<Item> by_size = sorted_by_size(given);
+  const int64_t lower = bound_of(by_size, total, world_size, align);
   // Everything in rank 0's shard never crosses a boundary, so this is always feasible.
   int64_t best = round_up(total, align);
-  const std::vector<Item> given = items_in(numels, block_sizes, plan.permutation);
   Placer best_placer = fixed_order(given, plan.permutation);
-  const std::vector<int64_t> units = lattice_units(given, align, best);
+  const std::vector<int64_t> units = lattice_units(by_size, align, lower, best);
 
+  auto search = [&](const Placer& placer, Order order) {
+    const ShardSearch shard_search(placer, world_size, lower);
+    // Coarse lattices first: a few placements there bring `best` down, and then the top probe
+    // in smallest_multiple settles most finer lattices in one placement.
+    for (auto unit = units.rbegin(); unit != units.rend(); ++unit) {
+      if (*unit >= best) continue;
+      const int64_t found = shard_search.smallest_multiple(*unit, best);
+      if (found < best) {
+        best = found;
+        plan.order = order;
+        best_placer = placer;
+      }
+    }
+  };
+
+  std::optional<FillClasses> classes;  // built when the fixed orders leave padding
   std::vector<std::vector<int64_t>> tried;
-  for (Order order : {Order::kGiven, Order::kBlockSize, Order::kShape, Order::kFill}) {
+  for (Order order : {Order::kGiven, Order::kBlockSize, Order::kShape, Order::kFill,
+                      Order::kFillLarge}) {
     if (best == lower) break;  // nothing can beat the lower bound
     Placer placer;
-    if (order == Order::kFill) {
-      placer = fill_order(given);
+    if (order == Order::kFill || order == Order::kFillLarge) {
+      if (!classes) classes.emplace(make_fill_classes(given));
+      const FillRule rule =
+          order == Order::kFill ? FillRule::kLeastPadding : FillRule::kLargeBlocks;
+      placer = fill_order(*classes, given, rule);
       if (!placer) continue;
     } else {
       std::vector<int64_t> perm = order_permutation(numels, block_sizes, order);
@@ -246,16 +374,14 @@ Plan plan_layout(const std::vector<int64_t>& numels, const std::vector<int64_t>&
       std::vector<Item> items = items_in(numels, block_sizes, perm);
       placer = fixed_order(std::move(items), std::move(perm));
     }
-    const ShardSearch search(placer, world_size, lower);
-    for (int64_t unit : units) {
-      if (unit >= best) break;
-      const int64_t found = search.smallest_multiple(unit, best);
-      if (found < best) {
-        best = found;
-        plan.order = order;
-        best_placer = placer;
-      }
-    }
+    search(placer, order);
+  }
+  // Small groups: the exact search over every order, below what the heuristics found.
+  std::optional<ExactPlacer> exact;
+  if (best != lower && max_exact_states > 0) {
+    if (!classes) classes.emplace(make_fill_classes(given));
+    exact.emplace(*classes, max_exact_states);
+    if (Placer placer = exact_order(*exact, given.size())) search(placer, Order::kExact);
   }
 
   if (best > kMax / world_size) {

@@ -25,17 +25,28 @@ namespace planner {
 // Consumers (DBuffer views, fully_shard, AdamW8bit's block alignment) rely on 1-3 only;
 // validate() checks exactly these rules.
 
-// Which tensor order a plan was built with. The planner tries each and keeps the best, preferring
-// the earlier one on ties. The first three are the paper's; kFill is ours (see greedy.h).
+// Which tensor order a plan was built with. The planner tries the heuristic orders and keeps
+// the best, preferring the earlier one on ties, then the exact search where the group is small.
+// The first three are the paper's; the rest are ours (greedy.h, exact.h).
 enum class Order : int64_t {
   kGiven = 0,      // the caller's order
   kBlockSize = 1,  // block size descending, stable
   kShape = 2,      // block size descending, then numel descending (groups equal shapes), stable
-  kFill = 3,       // chosen while placing: least padding first (place_filling)
+  kFill = 3,       // chosen while placing: least padding first (FillRule::kLeastPadding)
+  kFillLarge = 4,  // chosen while placing: larger blocks may pad half a block (kLargeBlocks)
+  kExact = 5,      // the best of every order, by dynamic programming (ExactPlacer)
 };
 
-// kFill costs O(classes) per tensor; groups with more distinct (numel, block) classes skip it.
+// The fill orders cost O(classes) per tensor; groups with more distinct (numel, block) classes
+// of blocks > 1 skip them.
 constexpr std::size_t kMaxFillClasses = 64;
+
+// At most this many lattice units are searched ([Note: shard-size search]).
+constexpr std::size_t kMaxLatticeUnits = 32;
+
+// Groups with at most this many count vectors (prod over (numel, block) classes of count + 1)
+// also get the exact search ([Note: exact placement] in exact.cpp).
+constexpr int64_t kMaxExactStates = 4096;
 
 const char* order_name(Order order);
 
@@ -49,9 +60,16 @@ struct Plan {
 
 // Plans the layout. Throws std::invalid_argument naming the offending tensor index and values
 // for: mismatched lengths, numel < 0, block size < 1, a block size that does not divide its
-// numel, world_size < 1, align < 1, or sizes whose total overflows int64.
+// numel, world_size < 1, align < 1, or sizes whose total overflows int64. `max_exact_states`
+// caps the exact search (0 turns it off; tests compare the heuristic orders with it).
 Plan plan_layout(const std::vector<int64_t>& numels, const std::vector<int64_t>& block_sizes,
-                 int64_t world_size, int64_t align = 1);
+                 int64_t world_size, int64_t align = 1,
+                 int64_t max_exact_states = kMaxExactStates);
+
+// The least shard size any layout of the group can have under [Note: planner layout contract]
+// ([Note: lower bound] in plan.cpp); the search stops when it reaches it. Same input checks.
+int64_t lower_bound(const std::vector<int64_t>& numels, const std::vector<int64_t>& block_sizes,
+                    int64_t world_size, int64_t align = 1);
 
 // Checks a plan against [Note: planner layout contract]. Returns "" when valid, otherwise a
 // description of the first violation. Used by tests; cheap enough to run after every plan.

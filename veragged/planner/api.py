@@ -13,8 +13,9 @@ from veragged.runtime import caches
 
 __all__ = ["Layout", "plan", "ORDERS"]
 
-#: Tensor orders the planner tries, in its tie-breaking preference (csrc/planner/planner.h).
-ORDERS = ("given", "block_size", "shape", "fill")
+#: Names of the ways a layout can be found, in the planner's tie-breaking preference
+#: (``Order`` in csrc/planner/planner.h).
+ORDERS = ("given", "block_size", "shape", "fill", "fill_large", "exact")
 
 _INT64_MAX = 2**63 - 1
 
@@ -32,8 +33,11 @@ class Layout:
         ranges: per input tensor, in input order, its ``(start, end)`` in the global buffer.
         block_sizes: per input tensor, its block size in elements (as given).
         world_size: number of ranks.
-        order: which tensor order gave this layout: ``"given"``, ``"block_size"``, ``"shape"``
-            (the paper's three) or ``"fill"`` (chosen while placing, least padding first).
+        order: how this layout was found: the tensor orders ``"given"``, ``"block_size"``,
+            ``"shape"`` (the paper's three), ``"fill"`` (chosen while placing, least padding
+            first), ``"fill_large"`` (chosen while placing, larger blocks may pad half a
+            block), or ``"exact"`` (the best of every order, searched exhaustively on small
+            groups).
         permutation: input indices in buffer order.
     """
 
@@ -128,7 +132,7 @@ def _plan_cached(
     return Layout(
         shard_size=shard_size,
         padding=world_size * shard_size - sum(numels),
-        ranges=tuple((s, s + e) for s, e in zip(starts, numels)),
+        ranges=tuple(zip(starts, map(operator.add, starts, numels))),
         block_sizes=block_sizes,
         world_size=world_size,
         order=ORDERS[order],
