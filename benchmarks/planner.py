@@ -41,7 +41,7 @@ Targets (padding at every point of the sweep, time at m = 1024):
   fsdp2,  veragged pads strictly less than the baseline, or no more than it
   megatron  while meeting the bound (optimal: nothing can pad less), which
           covers the case where both are 0;
-  time    "plan ms" <= 30 at m = 1024.
+  time    "plan ms" and "cold ms" <= 30 at m = 1024.
 A miss marked "@bound" is one where veragged already meets the lower bound:
 the baseline wins only by breaking veragged's contract (FSDP2 pads each
 parameter separately), so no planner can close that gap.
@@ -77,7 +77,7 @@ TIME_LIMIT_MS = 30.0
 # (model, rows) -> (limit %, limit included); default: under 3%.
 PAPER_LIMITS = {("GPT-OSS-120B", 128): (18.0, True)}
 BASELINES = ("fsdp2", "megatron")
-DEFAULT_PLOT = Path(__file__).resolve().parent / "planner_padding.png"
+DEFAULT_PLOT = Path(__file__).resolve().parents[1] / "docs" / "planner_padding.png"
 
 
 def block_sizes(group, rows, blocked):
@@ -151,7 +151,7 @@ def misses_of(row, in_sweep):
             if pad["veragged"] < pad[name] or pad["bound"] == pad["veragged"] <= pad[name]:
                 continue
             misses.append(name + ("@bound" if pad["veragged"] == pad["bound"] else ""))
-    if row["fsdp_size"] == TIME_SIZE and row["plan_ms"] > TIME_LIMIT_MS:
+    if row["fsdp_size"] == TIME_SIZE and max(row["plan_ms"], row["cold_ms"]) > TIME_LIMIT_MS:
         misses.append("time")
     return misses
 
