@@ -3,24 +3,29 @@
 // [Note: shard-size search]
 // Algorithm 1 classifies each tensor of a valid layout as (1) inside one shard, (2) straddling
 // one boundary, or (3) containing a whole shard. Tensors of case 3 cross several boundaries, so
-// S is a multiple of L = lcm(align, blocks of the case-3 set). Call P_L(S) "a layout at S in
-// this order whose case-3 tensors all have blocks dividing L". Inserting L elements of padding
-// in every shard, just before the first tensor that starts in it, turns a layout at S = k * L
-// into one at (k + 1) * L, so P_L is monotone in k (the paper's argument). The greedy placement
-// decides the looser P(S) ("any layout at S in this order", case 3 wherever the block divides
-// S), and P_L(S) implies P(S). Galloping up from the lower bound and bisecting over k with P
-// therefore ends at a feasible S no larger than the least S with P_L: every k it rules out has
-// not P, so not P_L, nor P_L below it.
+// S is a multiple of L = lcm(align, blocks of the case-3 set).
+// Call P_L(S) "a layout at S in this order whose case-3 tensors all have blocks dividing L".
+// Inserting L elements of padding in every shard, just before the first tensor that starts in
+// it, turns a layout at S = k * L into one at (k + 1) * L, so P_L is monotone in k (the
+// paper's argument; test_planner_optimality.cpp checks it by brute force). The greedy
+// placement decides the looser P(S) ("any layout at S in this order", case 3 wherever the block
+// divides S), and P_L(S) implies P(S). smallest_multiple() probes the largest k below the best
+// S so far, then gallops up from the lower bound and bisects, all with P: every k it rules out
+// has not P, so not P_L, nor P_L below it, and it ends at a feasible S no larger than the least
+// S with P_L (or keeps the best when that is not below it).
 // Every layout's case-3 set has some lcm L, so searching every L that is an lcm of align and a
-// set of blocks finds the least S of the order exactly. Only tensors with numel >= S can hold a
-// shard, so only their blocks count, and L below the best S found so far: lattice_units()
-// builds that closure smallest first, capped at kMaxLatticeUnits, and adds the paper's
-// divisor chain (blocks of the tensors sorted by numel, largest first) so that the search is
-// never worse than the paper's. Stopping at the best S found is also what keeps LCM explosion
+// set of blocks finds the least S of a fixed order exactly. Only tensors with numel >= S can
+// hold a shard, so only their blocks count, and only L below the best S: lattice_units()
+// builds that closure smallest first. Past kMaxLatticeUnits units it keeps the smallest, which
+// ends the exactness, and it always adds the paper's divisor chain (blocks of the tensors
+// sorted by numel, largest first), so the search is never worse than the paper's. Lattices run
+// coarse to fine: a few placements on a coarse one bring the best down, and then the first
+// probe settles most finer lattices. Stopping at the best S is also what keeps LCM explosion
 // (Megatron-style chunking) from costing padding or time.
 // For the fill orders, chosen while placing, P is not monotone in k and the search is a
-// heuristic; for the exact placement ([Note: exact placement] in exact.cpp) P(S) is "some order
-// fits at S", monotone per L like each order's, so its answer is the least S of all layouts.
+// heuristic. For the exact placement ([Note: exact placement] in exact.cpp) P(S) is "some order
+// fits at S", and P_L for it is monotone like each order's, so its answer is the least S of
+// all layouts.
 
 #include <algorithm>
 #include <cstddef>
@@ -342,8 +347,6 @@ Plan plan_layout(const std::vector<int64_t>& numels, const std::vector<int64_t>&
 
   auto search = [&](const Placer& placer, Order order) {
     const ShardSearch shard_search(placer, world_size, lower);
-    // Coarse lattices first: a few placements there bring `best` down, and then the top probe
-    // in smallest_multiple settles most finer lattices in one placement.
     for (auto unit = units.rbegin(); unit != units.rend(); ++unit) {
       if (*unit >= best) continue;
       const int64_t found = shard_search.smallest_multiple(*unit, best);
