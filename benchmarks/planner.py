@@ -47,7 +47,9 @@ the baseline wins only by breaking veragged's contract (FSDP2 pads each
 parameter separately), so no planner can close that gap.
 
 Prints a table, a line of target misses and one JSON line; `--json` prints
-only the JSON object on stdout (table to stderr).  Saves a PNG of padding vs
+only the JSON object on stdout (table to stderr).  `--explain MODEL:ROWS:M`
+also prints the group that pads most at that point: its tensor classes, the
+shard size and order the planner picks, and the lower bound.  Saves a PNG of padding vs
 FSDP size (`--plot`, '' to skip).
 """
 
@@ -273,6 +275,32 @@ def save_plot(rows, pad_sizes, path):
     plt.close(fig)
 
 
+def explain(plan, name, rows, m, blocked, out):
+    """Prints the group of `name` that pads most at `rows`-row blocks on `m` ranks: its tensor
+    classes, the shard size the planner picks and the lower bound."""
+    groups = MODELS[name]()
+    scored = []
+    for group in groups:
+        numels = tuple(p.numel for p in group.params)
+        blocks = block_sizes(group, rows, blocked)
+        scored.append((plan(numels, blocks, m).padding, group.name, numels, blocks))
+    padding, group_name, numels, blocks = max(scored)
+    layout = plan(numels, blocks, m)
+    bound = least_padding(numels, blocks, m)
+    total = sum(numels)
+    print(f"{name} {rows}x m={m}: worst group {group_name}, {len(numels)} tensors", file=out)
+    for (numel, block), count in sorted(
+        Counter(zip(numels, blocks, strict=True)).items(), reverse=True
+    ):
+        print(f"  {count:4d} x numel {numel:>13,}  block {block:>11,}", file=out)
+    print(
+        f"  shard size {layout.shard_size:,} ({layout.order} order), padding "
+        f"{100 * padding / total:.4f}%; lower bound {(total + bound) // m:,} "
+        f"({100 * bound / total:.2e}%)",
+        file=out,
+    )
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -295,8 +323,23 @@ def parse_args(argv):
         help="give DeepSeek's dense-layer MLPs k-row blocks too (default element-wise)",
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.add_argument(
+        "--explain",
+        metavar="MODEL:ROWS:M",
+        action="append",
+        default=[],
+        help="also print the group that pads most at that point, e.g. DeepSeek-V3-671B:128:1024",
+    )
     parser.add_argument("--plot", default=str(DEFAULT_PLOT), help="PNG path ('' to skip)")
     args = parser.parse_args(argv)
+    points = []
+    for spec in args.explain:
+        model, _, rest = spec.partition(":")
+        rows, _, m = rest.partition(":")
+        if model not in MODELS or not rows.isdigit() or not m.isdigit() or int(m) < 1:
+            parser.error(f"--explain {spec!r}: expected MODEL:ROWS:M with MODEL in {list(MODELS)}")
+        points.append((model, int(rows), int(m)))
+    args.explain = points
     if args.quick:
         args.sizes, args.max_time_size, args.repeats = [8, 64, 1024], 1024, 1
     return args
@@ -326,6 +369,8 @@ def main(argv=None):
     print_table(models, rows, out)
     summary = miss_summary(rows)
     print(summary, file=out)
+    for model, k, m in args.explain:
+        explain(plan, model, k, m, blocked, out)
     if args.plot:
         save_plot(rows, pad_sizes, args.plot)
         print(f"plot saved to {args.plot}", file=out)

@@ -18,8 +18,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def result():
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "planner.py"), "--json", "--sizes",
-           "8,512,1024", "--max-time-size", "1024", "--repeats", "1", "--plot", ""]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "planner.py"),
+        "--json",
+        "--sizes",
+        "8,512,1024",
+        "--max-time-size",
+        "1024",
+        "--repeats",
+        "1",
+        "--plot",
+        "",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])

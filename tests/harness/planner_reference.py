@@ -97,13 +97,13 @@ def _place_exact(classes, shard, limit):
     """The earliest end over every order (a DP over count vectors), or None."""
     kinds, members = classes
     sizes = [len(m) for m in members]
-    total = sum(numel * len(m) for (numel, _), m in zip(kinds, members))
+    total = sum(numel * len(m) for (numel, _), m in zip(kinds, members, strict=True))
     end, last = {(0,) * len(kinds): 0}, {}
     # Mixed-radix order with the first class least significant, like the C++ state index.
     for rev in product(*(range(n + 1) for n in reversed(sizes))):
         counts = rev[::-1]
         pos = end.get(counts)
-        placed = sum(numel * k for (numel, _), k in zip(kinds, counts))
+        placed = sum(numel * k for (numel, _), k in zip(kinds, counts, strict=True))
         if pos is None or pos > limit - (total - placed):
             continue
         for c, (numel, block) in enumerate(kinds):
@@ -163,8 +163,11 @@ def lower_bound(numels, block_sizes, world_size, align=1):
     total = sum(numels)
     if total == 0:
         return 0
-    need = max(-(-total // world_size), max(b for e, b in zip(numels, block_sizes) if e > 0))
-    by_size = sorted(zip(numels, block_sizes), key=lambda it: (-it[0], -it[1])) + [(0, 1)]
+    need = max(
+        -(-total // world_size), max(b for e, b in zip(numels, block_sizes, strict=True) if e > 0)
+    )
+    by_size = sorted(zip(numels, block_sizes, strict=True), key=lambda it: (-it[0], -it[1]))
+    by_size.append((0, 1))
     best, unit, shortest_long = None, align, None
     for numel, block in by_size:
         size = _round_up(max(need, -(-numel // 2)), unit)
@@ -199,7 +202,7 @@ def _lattice_units(items, align, lower, best):
 
 def reference_plan(numels, block_sizes, world_size, align=1):
     """Returns (shard_size, starts, order name) as the C++ planner must."""
-    items = list(zip(numels, block_sizes))
+    items = list(zip(numels, block_sizes, strict=True))
     n, total = len(items), sum(numels)
     if total == 0:
         return 0, [0] * n, "given"
@@ -238,7 +241,9 @@ def reference_plan(numels, block_sizes, world_size, align=1):
         for unit in reversed(units):  # coarse lattices first
             if unit >= best:
                 continue
-            found = _smallest_multiple(lambda s: place(s) is not None, unit, lower, best)
+            found = _smallest_multiple(
+                lambda s, place=place: place(s) is not None, unit, lower, best
+            )
             if found < best:
                 best, best_order = found, name
     starts = placers[best_order](best)

@@ -6,18 +6,20 @@ import random
 import pytest
 
 import veragged
-from veragged.planner import Layout, plan
-from veragged.planner.api import ORDERS
 from tests.harness import layout_check
 from tests.harness.planner_reference import lower_bound as reference_lower_bound
 from tests.harness.planner_reference import reference_plan
+from veragged.planner import Layout, plan
+from veragged.planner.api import ORDERS
 
 
 def check_layout(layout: Layout, numels, blocks, world_size, align=1):
     assert layout.block_sizes == tuple(blocks) and layout.world_size == world_size
     layout_check.check_layout(layout, numels, align)
     assert all(len(units) == world_size for units in layout.units)
-    assert [sum(units) for units in layout.units] == [e // g for e, g in zip(numels, blocks)]
+    assert [sum(units) for units in layout.units] == [
+        e // g for e, g in zip(numels, blocks, strict=True)
+    ]
 
 
 def test_plan_example():
@@ -102,7 +104,7 @@ def test_hundred_thousand_ranks():
         for rank, count in layout.rank_units(t).items():
             assert count * blocks[t] == min(end, (rank + 1) * s) - max(start, rank * s)
     assert sum(sum(layout.rank_units(t).values()) for t in range(4)) == sum(
-        e // g for e, g in zip(numels, blocks)
+        e // g for e, g in zip(numels, blocks, strict=True)
     )
 
 

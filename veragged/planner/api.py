@@ -56,9 +56,7 @@ class Layout:
             return {}
         s, g = self.shard_size, self.block_sizes[tensor]
         first, last = start // s, (end - 1) // s
-        return {
-            k: (min(end, (k + 1) * s) - max(start, k * s)) // g for k in range(first, last + 1)
-        }
+        return {k: (min(end, (k + 1) * s) - max(start, k * s)) // g for k in range(first, last + 1)}
 
     @functools.cached_property
     def units(self) -> tuple[tuple[int, ...], ...]:
@@ -132,7 +130,7 @@ def _plan_cached(
     return Layout(
         shard_size=shard_size,
         padding=world_size * shard_size - sum(numels),
-        ranges=tuple(zip(starts, map(operator.add, starts, numels))),
+        ranges=tuple(zip(starts, map(operator.add, starts, numels), strict=True)),
         block_sizes=block_sizes,
         world_size=world_size,
         order=ORDERS[order],
