@@ -10,9 +10,9 @@
 // paper's argument; test_planner_optimality.cpp checks it by brute force). The greedy
 // placement decides the looser P(S) ("any layout at S in this order", case 3 wherever the block
 // divides S), and P_L(S) implies P(S). smallest_multiple() probes the largest k below the best
-// S so far, then gallops up from the lower bound and bisects, all with P: every k it rules out
-// has not P, so not P_L, nor P_L below it, and it ends at a feasible S no larger than the least
-// S with P_L (or keeps the best when that is not below it).
+// S so far, then the smallest k at the lower bound, then bisects between them, all with P:
+// every k it rules out has not P, so not P_L, nor P_L below it, and it ends at a feasible S no
+// larger than the least S with P_L (or keeps the best when that is not below it).
 // Every layout's case-3 set has some lcm L, so searching every L that is an lcm of align and a
 // set of blocks finds the least S of a fixed order exactly. Only tensors with numel >= S can
 // hold a shard, so only their blocks count, and only L below the best S: lattice_units()
@@ -111,16 +111,12 @@ class ShardSearch {
     const int64_t top = ceil_div(best, unit) - 1;  // the largest k with k * unit < best
     if (lo > top) return best;
     // The largest candidate first: where it fails, P_L fails at every k below it too, so most
-    // orders that cannot beat the best so far cost one placement per lattice.
+    // orders that cannot beat the best so far cost one placement per lattice. Then the
+    // smallest (groups that reach the lower bound stop there), then bisection in between.
     if (!feasible(top * unit)) return best;
-    // Gallop up from lo: lo stays the smallest k not known infeasible, hi the first feasible.
-    int64_t step = 1;
-    int64_t hi = lo;
-    while (hi < top && !feasible(hi * unit)) {
-      lo = hi + 1;
-      hi = std::min(hi + step, top);
-      step *= 2;
-    }
+    if (lo == top || feasible(lo * unit)) return lo * unit;
+    int64_t hi = top;  // feasible
+    ++lo;              // lo - 1 is not
     while (lo < hi) {
       const int64_t mid = lo + (hi - lo) / 2;
       if (feasible(mid * unit)) {

@@ -140,11 +140,9 @@ def _smallest_multiple(feasible, unit, lower, best):
     top = -(-best // unit) - 1
     if lo > top or not feasible(top * unit):
         return best
-    step, hi = 1, lo
-    while hi < top and not feasible(hi * unit):
-        lo = hi + 1
-        hi = min(hi + step, top)
-        step *= 2
+    if lo == top or feasible(lo * unit):
+        return lo * unit
+    lo, hi = lo + 1, top
     while lo < hi:
         mid = (lo + hi) // 2
         if feasible(mid * unit):
