@@ -110,10 +110,10 @@ def plan(
 
 def _as_ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
     out = tuple(values)
-    # Fast path in C loops (groups can hold thousands of tensors); the slow one names the culprit.
-    if not out or (
-        set(map(type, out)) == {int} and min(out) >= -_INT64_MAX - 1 and max(out) <= _INT64_MAX
-    ):
+    # Fast path in a C loop (groups can hold thousands of tensors): exact ints only. The int64
+    # range is left to the op, which rejects a value outside it (_plan_cached then names it);
+    # the slow path names any other culprit.
+    if set(map(type, out)) <= {int}:
         return out
     return tuple(_as_int(f"{name}[{i}]", v) for i, v in enumerate(out))
 
@@ -124,9 +124,15 @@ def _plan_cached(
     numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int, align: int
 ) -> Layout:
     # FSDP wraps many identical blocks; planning each distinct group once is enough.
-    shard_size, starts, permutation, order = torch.ops.veragged.plan_layout(
-        list(numels), list(block_sizes), world_size, align
-    )
+    try:
+        shard_size, starts, permutation, order = torch.ops.veragged.plan_layout(
+            numels, block_sizes, world_size, align
+        )
+    except RuntimeError:  # the op's argument parser: a value outside int64
+        for name, values in (("numels", numels), ("block_sizes", block_sizes)):
+            for i, value in enumerate(values):
+                _as_int(f"{name}[{i}]", value)  # raises ValueError naming it
+        raise
     return Layout(
         shard_size=shard_size,
         padding=world_size * shard_size - sum(numels),
