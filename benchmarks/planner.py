@@ -49,8 +49,8 @@ parameter separately), so no planner can close that gap.
 Prints a table, a line of target misses and one JSON line; `--json` prints
 only the JSON object on stdout (table to stderr).  `--explain MODEL:ROWS:M`
 also prints the group that pads most at that point: its tensor classes, the
-shard size and order the planner picks, and the lower bound.  Saves a PNG of padding vs
-FSDP size (`--plot`, '' to skip).
+shard size and order the planner picks, and the lower bound.  Saves a PNG of
+padding vs FSDP size (`--plot`, '' to skip).
 """
 
 import argparse

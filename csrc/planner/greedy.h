@@ -90,8 +90,9 @@ enum class FillRule {
 };
 
 // Like place_greedy, but the order is chosen while placing: next comes the class that `rule`
-// ranks first. `classes` is make_fill_classes(items). O(n * classes with blocks > 1). Writes the chosen order
-// (indices into the given order) and starts (in that chosen order) when non-null.
+// ranks first. `classes` is make_fill_classes(items). O(n * classes with blocks > 1). Writes
+// the chosen order (indices into the given order) and starts (in that chosen order) when
+// non-null.
 int64_t place_filling(const FillClasses& classes, const std::vector<Item>& items, FillRule rule,
                       int64_t shard, int64_t limit, std::vector<int64_t>* order,
                       std::vector<int64_t>* starts);

@@ -31,7 +31,6 @@
 #include <cstddef>
 #include <functional>
 #include <limits>
-#include <memory>
 #include <numeric>
 #include <optional>
 #include <stdexcept>
@@ -134,6 +133,12 @@ class ShardSearch {
   int64_t lower_;
 };
 
+// lcm(unit, block) if it is below `limit`, else 0 (computed without overflow).
+int64_t lcm_below(int64_t unit, int64_t block, int64_t limit) {
+  const int64_t factor = block / std::gcd(unit, block);
+  return unit <= (limit - 1) / factor ? unit * factor : 0;
+}
+
 // The tensors by numel, largest first (then block, largest first): the order of the lower
 // bound, the lattice units and the paper's divisor chain.
 std::vector<Item> sorted_by_size(std::vector<Item> items) {
@@ -167,9 +172,8 @@ int64_t bound_of(const std::vector<Item>& by_size, int64_t total, int64_t world_
     const int64_t size = round_up(std::max(need, ceil_div(numel, 2)), unit);
     if (size <= (shortest_long - 1) / 2) best = std::min(best, size);  // 2 * size < shortest
     if (numel == 0) break;
-    const int64_t factor = by_size[i].block / std::gcd(unit, by_size[i].block);
-    if (unit > (best - 1) / factor) break;  // every longer prefix needs S >= best
-    unit *= factor;
+    unit = lcm_below(unit, by_size[i].block, best);
+    if (unit == 0) break;  // every longer prefix needs S >= best
     shortest_long = numel;
   }
   return best;
@@ -180,9 +184,8 @@ std::vector<int64_t> chain_units(const std::vector<Item>& by_size, int64_t align
   std::vector<int64_t> units{align};
   int64_t unit = align;
   for (const Item& item : by_size) {
-    const int64_t factor = item.block / std::gcd(unit, item.block);
-    if (unit > (best - 1) / factor) break;  // the lcm reaches best: no multiple can improve
-    unit *= factor;
+    unit = lcm_below(unit, item.block, best);
+    if (unit == 0) break;  // the lcm reaches best: no multiple can improve
     if (unit != units.back()) units.push_back(unit);
   }
   return units;
@@ -202,8 +205,7 @@ std::vector<int64_t> lattice_units(const std::vector<Item>& by_size, int64_t ali
   for (int64_t block : blocks) {
     const std::size_t known = units.size();
     for (std::size_t i = 0; i < known; ++i) {
-      const int64_t factor = block / std::gcd(units[i], block);
-      if (units[i] <= (best - 1) / factor) units.push_back(units[i] * factor);
+      if (const int64_t unit = lcm_below(units[i], block, best)) units.push_back(unit);
     }
     std::sort(units.begin(), units.end());
     units.erase(std::unique(units.begin(), units.end()), units.end());
@@ -240,17 +242,21 @@ Placer fixed_order(std::vector<Item> items, std::vector<int64_t> perm) {
   };
 }
 
-// A placer for a fill order (place_filling), or nullptr when the group has too many classes.
-Placer fill_order(const FillClasses& classes, const std::vector<Item>& items, FillRule rule) {
-  if (classes.blocked.size() > kMaxFillClasses) return nullptr;
-  return [&classes, &items, rule, n = items.size()](int64_t shard, int64_t limit,
-                                                    std::vector<int64_t>* order,
-                                                    std::vector<int64_t>* starts) {
+// A placement that chooses the order itself: writes the chosen order (indices into the given
+// order) and the starts in that order when non-null, or returns kNever.
+using ChoosingPlacement = std::function<int64_t(int64_t shard, int64_t limit,
+                                                std::vector<int64_t>* chosen,
+                                                std::vector<int64_t>* placed)>;
+
+// A Placer over a choosing placement of n tensors: starts come back in input order.
+Placer choosing_order(ChoosingPlacement place, std::size_t n) {
+  return [place = std::move(place), n](int64_t shard, int64_t limit, std::vector<int64_t>* order,
+                                       std::vector<int64_t>* starts) {
     std::vector<int64_t> chosen(starts != nullptr || order != nullptr ? n : 0);
     std::vector<int64_t> placed(starts != nullptr ? n : 0);
-    const int64_t end = place_filling(classes, items, rule, shard, limit,
-                                      chosen.empty() ? nullptr : &chosen,
-                                      placed.empty() ? nullptr : &placed);
+    const int64_t end = place(shard, limit, chosen.empty() ? nullptr : &chosen,
+                              placed.empty() ? nullptr : &placed);
+    if (end == kNever) return end;
     if (order != nullptr) *order = chosen;
     if (starts != nullptr) {
       for (std::size_t i = 0; i < n; ++i) (*starts)[chosen[i]] = placed[i];
@@ -259,22 +265,24 @@ Placer fill_order(const FillClasses& classes, const std::vector<Item>& items, Fi
   };
 }
 
+// A placer for a fill order (place_filling), or nullptr when the group has too many classes.
+Placer fill_order(const FillClasses& classes, const std::vector<Item>& items, FillRule rule) {
+  if (classes.blocked.size() > kMaxFillClasses) return nullptr;
+  return choosing_order(
+      [&classes, &items, rule](int64_t shard, int64_t limit, std::vector<int64_t>* chosen,
+                               std::vector<int64_t>* placed) {
+        return place_filling(classes, items, rule, shard, limit, chosen, placed);
+      },
+      items.size());
+}
+
 // A placer for the exact search (ExactPlacer), or nullptr when the group is too large for it.
 Placer exact_order(const ExactPlacer& exact, std::size_t n) {
   if (exact.states() == 0) return nullptr;
-  return [&exact, n](int64_t shard, int64_t limit, std::vector<int64_t>* order,
-                     std::vector<int64_t>* starts) {
-    std::vector<int64_t> chosen(starts != nullptr || order != nullptr ? n : 0);
-    std::vector<int64_t> placed(starts != nullptr ? n : 0);
-    const int64_t end = exact.place(shard, limit, chosen.empty() ? nullptr : &chosen,
-                                    placed.empty() ? nullptr : &placed);
-    if (end == kNever) return end;
-    if (order != nullptr) *order = chosen;
-    if (starts != nullptr) {
-      for (std::size_t i = 0; i < n; ++i) (*starts)[chosen[i]] = placed[i];
-    }
-    return end;
-  };
+  return choosing_order(
+      [&exact](int64_t shard, int64_t limit, std::vector<int64_t>* chosen,
+               std::vector<int64_t>* placed) { return exact.place(shard, limit, chosen, placed); },
+      n);
 }
 
 std::vector<int64_t> order_permutation(const std::vector<int64_t>& numels,

@@ -26,15 +26,22 @@ TEST(EarliestStart, MatchesScanOnEverySmallCase) {
 }
 
 TEST(EarliestStart, MatchesScanOnRandomLargeCases) {
+  // earliest_start, and gap_before from the offset it starts at, against the scan; and
+  // advance_offset against the modulo it replaces.
   std::mt19937_64 rng(7);
   for (int i = 0; i < 20000; ++i) {
     const int64_t shard = 1 + rng() % 300;
     const int64_t block = 1 + rng() % 64;
     const int64_t numel = block * (rng() % (4 * shard / block + 2));
     const int64_t pos = rng() % 100000;
-    ASSERT_EQ(vp::earliest_start(pos, numel, block, shard),
-              brute::earliest_start(pos, numel, block, shard))
+    const int64_t start = brute::earliest_start(pos, numel, block, shard);
+    ASSERT_EQ(vp::earliest_start(pos, numel, block, shard), start)
         << "pos=" << pos << " numel=" << numel << " block=" << block << " shard=" << shard;
+    const int64_t gap = vp::gap_before(pos % shard, numel, block, shard, shard % block == 0);
+    ASSERT_EQ(gap == vp::kNever ? int64_t{-1} : pos + gap, start)
+        << "pos=" << pos << " numel=" << numel << " block=" << block << " shard=" << shard;
+    const int64_t by = rng() % 5 == 0 ? rng() % 100000 : rng() % (2 * shard);
+    ASSERT_EQ(vp::advance_offset(pos % shard, by, shard), (pos + by) % shard);
   }
 }
 
@@ -56,22 +63,6 @@ TEST(PlaceGreedy, StopsAtTheLimit) {
   EXPECT_EQ(vp::place_greedy(items, 4, 8, &starts), 8);
   EXPECT_EQ(starts, (std::vector<int64_t>{0, 4}));
   EXPECT_EQ(vp::place_greedy(items, 4, 7, nullptr), vp::kNever);
-}
-
-TEST(GapBefore, MatchesEarliestStartAndAdvanceOffsetMatchesModulo) {
-  std::mt19937_64 rng(8);
-  for (int i = 0; i < 20000; ++i) {
-    const int64_t shard = 1 + rng() % 300;
-    const int64_t block = 1 + rng() % 64;
-    const int64_t numel = block * (rng() % (4 * shard / block + 2));
-    const int64_t pos = rng() % 100000;
-    const int64_t gap = vp::gap_before(pos % shard, numel, block, shard, shard % block == 0);
-    const int64_t start = brute::earliest_start(pos, numel, block, shard);
-    ASSERT_EQ(gap == vp::kNever ? int64_t{-1} : pos + gap, start)
-        << "pos=" << pos << " numel=" << numel << " block=" << block << " shard=" << shard;
-    const int64_t by = rng() % 5 == 0 ? rng() % 100000 : rng() % (2 * shard);
-    ASSERT_EQ(vp::advance_offset(pos % shard, by, shard), (pos + by) % shard);
-  }
 }
 
 TEST(PlaceFilling, RulesPlaceValidlyAndLargeBlocksKeepTheFlexibleTensors) {

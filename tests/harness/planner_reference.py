@@ -185,7 +185,7 @@ def _lattice_units(items, align, lower, best):
     blocks = sorted({b for e, b in by_size if e >= lower and align % b})
     units = [align]
     for block in blocks:
-        units += [u * block // gcd(u, block) for u in units if u * block // gcd(u, block) < best]
+        units += [lcm for lcm in (u * block // gcd(u, block) for u in units) if lcm < best]
         units = sorted(set(units))[:MAX_LATTICE_UNITS]
     unit = align
     chain = [align]
