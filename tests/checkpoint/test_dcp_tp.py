@@ -413,9 +413,10 @@ def test_placement_paths_and_boxes_with_uneven_tp_dims():
                 index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
                 assert torch.equal(full[index], data), fqn
         assert bool((seen == 1).all()), fqn
-    # uneven.wq.weight, units (0, 1): dp rank 1 holds each TP piece (rows 0-4 and 5-8) whole.
+    # uneven.wq.weight, units (0, 1): dp rank 1 holds each TP piece (rows 0-4 and 5-8) whole;
+    # dp rank 0 names the tensor with an empty box at its end (as torch's empty pieces).
     pieces = [b["uneven.wq.weight"] for _, b in results]
-    assert pieces[0] == [] and pieces[1] == []
+    assert [(o, s) for o, s, _ in pieces[0] + pieces[1]] == [((9, 0), (0, 6))] * 2
     assert [(o, s) for o, s, _ in pieces[2] + pieces[3]] == [((0, 0), (5, 6)), ((5, 0), (4, 6))]
 
 

@@ -310,12 +310,8 @@ class DBuffer:
         from tensor `i`'s (a collective: every rank of the mesh loads it), or a plain tensor
         holding the full value, of which each rank takes its own elements.
         """
+        self.check_loadable(i, value)
         p = self.params[i]
-        if value.shape != p.shape:
-            raise ValueError(
-                f"{self.entries[i].name}: cannot load a tensor of shape {list(value.shape)} into "
-                f"a parameter of shape {list(p.shape)}"
-            )
         with torch.no_grad():
             mesh = p.device_mesh
             if not isinstance(value, DTensor):
@@ -330,6 +326,33 @@ class DBuffer:
                     value = redistribute(value, mesh, p.placements)
                 src = value._local_tensor
             self._copy_local(i, src)
+
+    def check_loadable(self, i: int, value: torch.Tensor) -> None:
+        """Raise ValueError, without communication, if `load_(i, value)` cannot load `value`:
+        another shape, or a DTensor with tensor `i`'s placements whose local tensor is not this
+        rank's flat piece (what torch's `DTensor.from_local` and torch's loaders make of a
+        RaggedShard value: [Note: torch's entry points without the routing],
+        placement/torch_callers.py)."""
+        p = self.params[i]
+        name = self.entries[i].name
+        if value.shape != p.shape:
+            raise ValueError(
+                f"{name}: cannot load a tensor of shape {list(value.shape)} into a parameter of "
+                f"shape {list(p.shape)}"
+            )
+        local = value._local_tensor if isinstance(value, DTensor) else None
+        if (local is not None and tuple(value.placements) == p.placements
+                and (local.dim() != 1 or local.numel() != p._local_tensor.numel())):
+            raise ValueError(
+                f"{name}: the DTensor loaded into it has this parameter's placements "
+                f"{p.placements} but its local tensor has shape {list(local.shape)} where this "
+                f"rank holds {p._local_tensor.numel()} elements, flat: it was not sharded by "
+                "veragged (torch's "
+                "full-state-dict loaders and DTensor.from_local slice a RaggedShard as a "
+                "replica). Call veragged.route_torch_entry_points() once before torch's "
+                "loaders, or use veragged.checkpoint.set_model_state_dict / set_state_dict or "
+                "veragged.DTensor.from_local"
+            )
 
     def _full_value_local(self, i: int, value: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full value of tensor `i` (`load_`)."""

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from veragged.fsdp.group import ParamGroup
 
@@ -45,8 +46,27 @@ __all__ = ["register_state_dict_hooks", "take_assigned"]
 def register_state_dict_hooks(module: nn.Module, state: FSDPState) -> None:
     """Hook `module` (one of `state`'s modules) as [Note: fully_shard state dicts] describes."""
     module.register_state_dict_pre_hook(lambda *a, **k: _reshard(state))
-    module._register_load_state_dict_pre_hook(lambda *a, **k: _reshard(state))
+    module._register_load_state_dict_pre_hook(
+        lambda state_dict, prefix, *a, **k: _before_load(state, module, state_dict, prefix)
+    )
     module.register_load_state_dict_post_hook(lambda *a, **k: take_assigned(state))
+
+
+def _before_load(state: FSDPState, module: nn.Module, state_dict: dict, prefix: str) -> None:
+    """Check what the load brings for the sharded parameters of `module` and its submodules
+    (a DTensor with their placements must be this rank's piece: [Note: torch's entry points
+    without the routing]) before torch takes any of it, then reshard."""
+    names = None
+    for g in state.groups:
+        for i, places in enumerate(g.locations):
+            for mod, name in places:
+                if names is None:
+                    names = {id(m): f"{n}." if n else "" for n, m in module.named_modules()}
+                where = names.get(id(mod))
+                value = None if where is None else state_dict.get(f"{prefix}{where}{name}")
+                if isinstance(value, DTensor) and value.placements == g.sharded[i].placements:
+                    g.buffer.check_loadable(i, value)
+    _reshard(state)
 
 
 def _reshard(state: FSDPState) -> None:
@@ -73,10 +93,16 @@ def take_assigned(state: FSDPState) -> None:
     """Take the tensors registered in place of `state`'s sharded parameters (by
     `load_state_dict(assign=True)`, or set as module attributes) into the DBuffers and register the
     sharded parameters again; see [Note: fully_shard state dicts]."""
+    taken = []
     for g in state.groups:
         values = [_assigned(g, i) for i in range(len(g.sharded))]
         if g.buffer.is_meta and any(v is None for v in values):
             continue  # loaded in pieces: the rest comes with a later load
+        for i, v in enumerate(values):
+            if v is not None and v is not g.sharded[i]:
+                g.buffer.check_loadable(i, v)  # every value, before a load's collective
+        taken.append((g, values))
+    for g, values in taken:
         for i, v in enumerate(values):
             if v is not None:
                 g.reset_sharded_param(i, v)

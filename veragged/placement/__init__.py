@@ -5,6 +5,8 @@ See [Note: RaggedShard semantics] (ragged_shard.py), [Note: ragged layout on an 
 [Note: placement layers] (tensor.py).
 """
 
+import torch
+
 from veragged.placement import ops, tensor
 from veragged.placement.api import distribute_tensor, from_local, local_numel_and_offset
 from veragged.placement.layout import normalize_placements
@@ -19,6 +21,10 @@ tensor.connect_layers(
     redistribute=redistribute,
     from_local=from_local,
 )
+
+# `torch.load(weights_only=True)` of what torch.save wrote of these ([Note: a RaggedDTensor has no
+# storage]), as torch registers its DTensor classes.
+torch.serialization.add_safe_globals([RaggedDTensor, RoutedDTensor, RaggedShard, StridedRaggedShard])
 
 __all__ = [
     "RaggedDTensor",

@@ -73,10 +73,17 @@ def _local_boxes(shape: tuple[int, ...], mesh, placements: tuple) -> tuple[Box, 
         # A tensor without elements still needs an entry in the checkpoint's metadata, or loading
         # it raises "Missing key": one empty box of the block, as torch writes for its DTensors.
         return (Box(torch.Size(layout.block_offset), torch.Size(layout.block_shape), 0),)
-    if layout.local_numel == 0:
-        return ()
-    k = len(layout.placement.dims)
     block, origin = layout.block_shape, layout.block_offset
+    if layout.local_numel == 0:
+        # No rows here: one empty box at the tensor's end on dim 0, where torch puts an empty
+        # Shard piece (offset = the dim's size), so that it overlaps no other box and starts
+        # where no box with data does (DCP keys a box by its offsets, and deduplicates equal
+        # keys across ranks). Every rank thereby names every tensor in its plan:
+        # `dcp.save(use_collectives=False)` writes one metadata file per rank, and each rank
+        # loads from its own.
+        end = torch.Size([shape[0], *origin[1:]])
+        return (Box(end, torch.Size([0, *block[1:]]), 0),)
+    k = len(layout.placement.dims)
     rest = list(block[k:])
     return tuple(
         Box(

@@ -98,7 +98,10 @@ _META_METHODS = frozenset(
         "size dim numel stride nelement element_size requires_grad_ register_hook retain_grad "
         "backward get_device is_floating_point is_complex __format__ "
         "register_post_accumulate_grad_hook "
-        "_is_view is_contiguous storage_offset is_conj is_neg is_inference"
+        "_is_view is_contiguous storage_offset is_conj is_neg is_inference "
+        # What torch's DTensor answers from its wrapper, which has no storage ([Note: a
+        # RaggedDTensor has no storage], tensor.py).
+        "untyped_storage _typed_storage storage __reduce_ex__"
     ).split()
 ) | {torch.is_complex, torch.is_floating_point, torch.numel, torch.is_conj, torch.is_neg,
      torch.is_inference}

@@ -33,6 +33,8 @@ import torch
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement
 
+from veragged.placement.torch_callers import called_from_distribute_tensor, unrouted_error
+
 __all__ = ["RaggedShard", "StridedRaggedShard"]
 
 _REPR_MAX_UNITS = 16  # longer local_units are summarised in repr
@@ -173,6 +175,10 @@ class RaggedShard(Placement):
         return f"RaggedShard(dims={self.dims}, local_units={_short(self.local_units)})"
 
     def __str__(self) -> str:
+        # [Note: torch's entry points without the routing] (torch_callers.py)
+        frame = called_from_distribute_tensor(1)
+        if frame is not None:
+            raise unrouted_error("torch.distributed.tensor.distribute_tensor", self, frame)
         return f"RS{self.dims}"
 
     def __reduce__(self):
@@ -253,6 +259,9 @@ class StridedRaggedShard(RaggedShard):
         )
 
     def __str__(self) -> str:
+        frame = called_from_distribute_tensor(1)  # as RaggedShard's
+        if frame is not None:
+            raise unrouted_error("torch.distributed.tensor.distribute_tensor", self, frame)
         return f"SRS{self.dims}x{self.split_factor}"
 
     def __reduce__(self):

@@ -10,7 +10,8 @@ cases without patching torch: `isinstance(x, DTensor)` still holds, torch code t
 veragged/placement is layered: a module imports modules of its own layer or below, at top
 level, never one above (inside placement/, only the package file imports ops.py and api.py):
   1. placements and their arithmetic: ragged_shard.py (RaggedShard), layout.py (a layout on an
-     N-D mesh), boxes.py (a rank's rows as boxes: checkpoint and reductions), collectives.py;
+     N-D mesh), boxes.py (a rank's rows as boxes: checkpoint and reductions), collectives.py,
+     torch_callers.py (torch's functions that cannot take a RaggedShard);
   2. this module: the tensor classes and their specs (`make_spec`, `cached_spec`);
   3. what runs on them: redistribute.py; the op handlers fastpath.py, operands.py, factories.py,
      random_ops.py, amp.py, reductions.py (with reduce_parts.py), ragged_dim_reduce.py, norms.py;
@@ -39,6 +40,7 @@ from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach
 
 from veragged.placement import boxes
 from veragged.placement.layout import ragged_mesh_dim
+from veragged.placement.torch_callers import called_from_loader_slicing, unrouted_error
 from veragged.runtime import caches
 
 __all__ = [
@@ -126,6 +128,7 @@ def accumulate_grads_locally(dt) -> None:
     # and nn.Module._apply swaps every DTensor parameter ([Note: submodule _apply]).
     cell = [dt]
 
+    @torch.utils.hooks.unserializable_hook  # an unpickled tensor gets it in __setstate__
     def add_existing(grad):
         x = cell[0]
         if x.grad is None:
@@ -194,6 +197,12 @@ class RaggedDTensor(DTensor):
         return _UP.from_local(local_tensor, device_mesh, placements, **kwargs)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        # [Note: torch's entry points without the routing] (torch_callers.py)
+        frame = called_from_loader_slicing(1)
+        if frame is not None:
+            raise unrouted_error(
+                "torch's broadcast_from_rank0 full-state-dict loader", self.placements, frame
+            )
         if not torch.is_grad_enabled():
             return self._local_tensor
         if grad_placements is not None:
@@ -248,6 +257,39 @@ class RaggedDTensor(DTensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _UP.torch_dispatch(func, args, kwargs or {})
 
+    # [Note: a RaggedDTensor has no storage]
+    # As torch's DTensor, a RaggedDTensor is a wrapper without storage of its own:
+    # `untyped_storage()` is the wrapper's (no data), answered by torch as for its DTensor
+    # (ops.py lists it with the metadata reads), never the local shard's, and `data_ptr()` is 0.
+    # (torch's C++ would add the wrapper's storage offset, which its DTensor constructor copies
+    # from the local tensor, to the null pointer; a DBuffer's local shards are views at nonzero
+    # offsets, where torch's FSDP2 shards start at 0.) torch's code tells wrappers from plain
+    # tensors by exactly that: DCP's staging
+    # (`StateDictStager._offload_tensor`, used by `async_save`) copies a DTensor through its
+    # `__slots__` (`_local_tensor` staged to CPU, `_spec`) where a nonzero pointer would send it
+    # down the plain-tensor branch (`set_` of a CPU storage into the wrapper: a crash), and
+    # `Tensor.__reduce_ex__` pickles a wrapper as torch's DTensor pickles: its metadata, then
+    # the local shard and the spec, no gather. So `torch.save` of a state dict on each rank and
+    # `async_save(async_checkpointer_type=PROCESS)` (which pickles the staged state dict to a
+    # background process) work; `torch.load(weights_only=True)` takes the classes that
+    # placement/__init__.py registers as safe globals. The local shard's storage is
+    # `dt._local_tensor.untyped_storage()`.
+
+    def data_ptr(self) -> int:
+        """0: a wrapper has no data of its own ([Note: a RaggedDTensor has no storage])."""
+        return 0
+
+    def __setstate__(self, state):
+        """Unpickling ([Note: a RaggedDTensor has no storage]): torch's state (`__dict__`, then
+        `_local_tensor` and `_spec`), less our flags, whose hooks did not travel."""
+        dict_state, slots_state = state if isinstance(state, tuple) else (state, None)
+        for k, v in (dict_state or {}).items():
+            if not k.startswith("_veragged"):
+                setattr(self, k, v)
+        for k, v in (slots_state or {}).items():
+            setattr(self, k, v)
+        accumulate_grads_locally(self)
+
     # Distributed checkpoint: the rank's flat range as rectangular boxes (boxes.py).
     def __create_write_items__(self, fqn: str, object: Any):
         return boxes.create_write_items(fqn, self)
@@ -259,7 +301,9 @@ class RaggedDTensor(DTensor):
         return boxes.get_tensor_shard(self, index)
 
     def __deepcopy__(self, memo):
-        """A RaggedDTensor with a deep copy of the local shard (parameters stay parameters)."""
+        """A RaggedDTensor with a deep copy of the local shard, `.grad` and `__dict__`, as torch's
+        DTensor copies (parameters stay parameters); the spec is shared, as it is immutable
+        ([Note: a RaggedDTensor has no storage])."""
         if id(self) in memo:
             return memo[id(self)]
         out = RaggedDTensor(
@@ -269,13 +313,14 @@ class RaggedDTensor(DTensor):
         if isinstance(self, torch.nn.Parameter) or getattr(self, "_is_param", False):
             out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
         memo[id(self)] = out
+        if self.grad is not None:
+            out.grad = copy.deepcopy(self.grad, memo)
+        # Our own flags say which hooks a tensor holds: the copy holds none of them.
+        own = {k: v for k, v in self.__dict__.items() if not k.startswith("_veragged")}
+        out.__dict__.update(copy.deepcopy(own, memo))
+        accumulate_grads_locally(out)
         return out
 
-    def __reduce_ex__(self, protocol):
-        raise TypeError(
-            "pickling a RaggedShard DTensor is not supported; "
-            "save it with torch.distributed.checkpoint or pickle .full_tensor()"
-        )
 
 
 def _redistribute_ragged(dt, device_mesh, placements, async_op, forward_dtype, backward_dtype):
