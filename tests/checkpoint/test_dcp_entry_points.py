@@ -39,7 +39,9 @@ from torch.distributed.tensor import DTensor
 
 import veragged
 from tests.harness import get_mesh, run_on_ranks
+from tests.optim import matrix_cases
 from veragged.models.llama import Llama, LlamaConfig
+from veragged.optim import adamw8bit_granularity
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, hidden=86, max_seq=9)
 IMPLS = {"torch": torch_fully_shard, "veragged": veragged.fully_shard}
@@ -49,13 +51,25 @@ TIMEOUT_S = 300
 # ---- the training state ---------------------------------------------------------------------
 
 
-def _model(impl: str, seed: int):
+def _optimizer(name: str, model):
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if name == "adamw8bit":
+        return veragged.optim.AdamW8bit(model.named_parameters(), lr=1e-2, weight_decay=0.1,
+                                        block_size=64, min_8bit_size=1024)
+    return matrix_cases.FACTORIES[name](model)  # Muon, Shampoo (preconditioning from step 3), SOAP
+
+
+def _model(impl: str, seed: int, optim: str = "adamw"):
+    granularity = {"adamw8bit": adamw8bit_granularity(64, 1024)}.get(optim,
+                                                                      matrix_cases.granularity)
+    kw = {"granularity_fn": granularity} if impl == "veragged" else {}
     torch.manual_seed(seed)
     model = Llama(CFG)
     for block in model.blocks:
-        IMPLS[impl](block, mesh=get_mesh())
-    IMPLS[impl](model, mesh=get_mesh())
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        IMPLS[impl](block, mesh=get_mesh(), **kw)
+    IMPLS[impl](model, mesh=get_mesh(), **kw)
+    return model, _optimizer(optim, model)
 
 
 def _train(model, optim, steps: int, seed: int) -> None:
@@ -327,8 +341,8 @@ def _differences(a: dict, b: dict, keys=None) -> list[str]:
     return out
 
 
-def _one(case: Case, impl: str, path: str) -> dict[str, Any]:
-    model, optim = _model(impl, seed=0)
+def _one(case: Case, impl: str, path: str, optim_name: str) -> dict[str, Any]:
+    model, optim = _model(impl, seed=0, optim=optim_name)
     _train(model, optim, 2, seed=0)
     saved = _snapshot(model, optim)
     waiter = case.save(model, optim, path)
@@ -338,7 +352,7 @@ def _one(case: Case, impl: str, path: str) -> dict[str, Any]:
     else:
         waiter(step3)
     after = _snapshot(model, optim)
-    fresh, fresh_optim = _model(impl, seed=1)
+    fresh, fresh_optim = _model(impl, seed=1, optim=optim_name)
     _train(fresh, fresh_optim, 1, seed=2)  # state to overwrite
     case.load(fresh, fresh_optim, path)
     loaded = _snapshot(fresh, fresh_optim)
@@ -350,13 +364,14 @@ def _one(case: Case, impl: str, path: str) -> dict[str, Any]:
     return out
 
 
-def _job(index: int, root: str) -> dict[str, Any]:
-    """Case `index` on torch's fully_shard, then on ours: each one's result or its error."""
+def _job(index: int, root: str, optim: str = "adamw") -> dict[str, Any]:
+    """Case `index` on torch's fully_shard (for torch's AdamW), then on ours: each one's result
+    or its error."""
     case = CASES[index]
     results = {}
-    for impl in IMPLS:
+    for impl in IMPLS if optim == "adamw" else ["veragged"]:
         try:
-            results[impl] = _one(case, impl, os.path.join(root, impl))
+            results[impl] = _one(case, impl, os.path.join(root, impl), optim)
         except Exception as e:  # noqa: BLE001 (reported in the table)
             results[impl] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
                              "trace": traceback.format_exc()}
@@ -376,7 +391,7 @@ def _verdict(results: dict[str, Any]) -> dict[str, str]:
             out[impl] = f"resumes differently: {res['resumed_wrong'][:4]}"
         else:
             out[impl] = "ok"
-    ref, ours = results["torch"], results["veragged"]
+    ref, ours = results.get("torch", {"error": "no peer"}), results["veragged"]
     if out["veragged"] == "ok" and "error" not in ref:
         differ = _differences(ref["saved"], ours["saved"])
         if differ:
@@ -394,6 +409,22 @@ def test_entry_point(index, tmp_path):
                     f"veragged: {[v['veragged'] for v in verdicts]}")
     for rank, (v, r) in enumerate(zip(verdicts, per_rank)):
         assert v["veragged"] == "ok", (rank, v["veragged"], r["veragged"].get("trace", ""))
+
+
+OPTIMIZER_CASES = ["dcp.save(use_collectives=False)", "dcp.async_save", "async_save PROCESS",
+                   "torch.save per rank"]
+
+
+@pytest.mark.parametrize("case", OPTIMIZER_CASES)
+@pytest.mark.parametrize("optim", ["muon", "shampoo", "soap", "adamw8bit"])
+def test_veragged_optimizer_state(optim, case, tmp_path):
+    """veragged's optimizers (no torch peer): their state comes back bitwise and the next step
+    is the step the original took."""
+    index = next(i for i, c in enumerate(CASES) if c.name == case)
+    for rank, res in enumerate(run_on_ranks(_job, 2, args=(index, str(tmp_path), optim),
+                                            timeout=TIMEOUT_S)):
+        verdict = _verdict(res)["veragged"]
+        assert verdict == "ok", (rank, verdict, res["veragged"].get("trace", ""))
 
 
 def main() -> None:

@@ -192,9 +192,12 @@ def _load(model, optim_fn, mode: str, layout: str):
     if mode == "distribute":
         _rank0_meta_init(model, full)
         return optim_fn(model)
-    broadcast = mode in ("broadcast", "broadcast_offload")
+    broadcast = mode in ("broadcast", "broadcast_offload", "broadcast_nonstrict")
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast,
-                            cpu_offload=mode == "broadcast_offload")
+                            cpu_offload=mode == "broadcast_offload",
+                            strict=mode != "broadcast_nonstrict")
+    if mode == "broadcast_nonstrict":  # a key rank 0 lacks keeps the model's own value
+        del full["blocks.0.down.weight"]
     msd = full if rank0 or not broadcast else {}
     if mode == "set_state_dict":
         optim = optim_fn(model)
@@ -249,6 +252,8 @@ SCENARIOS = [  # layout, mode, meta, also run torch's side under the routing
     ("tp", "every_rank", False, False),
     ("tp", "broadcast", True, True),
     ("tp", "distribute", True, False),
+    ("1d", "broadcast_nonstrict", False, False),
+    ("tp", "broadcast_nonstrict", False, False),
 ]
 
 
@@ -264,7 +269,12 @@ def test_torch_entry_points_load_like_torch(layout, mode, meta, torch_routed):
             _assert_same(wrap(got[k]), wrap(ref[k]), f"veragged: {k}")
             if torch_routed:  # the routing leaves torch's own placements to torch
                 _assert_same(wrap(res[("torch", True)][k]), wrap(ref[k]), f"torch routed: {k}")
-        _assert_same(got["loaded"], full, "loaded = the full state dict")
+        expected = full
+        if mode == "broadcast_nonstrict":  # the key rank 0 lacked kept the model's own init
+            kept = got["loaded"]["blocks.0.down.weight"]
+            assert not torch.equal(kept, full["blocks.0.down.weight"])
+            expected = {**full, "blocks.0.down.weight": kept}
+        _assert_same(got["loaded"], expected, "loaded = the full state dict")
         assert (got["msd"] == {}) == (rank != 0)
         for name, (kind, device, placements) in got["kinds"].items():
             assert kind == "RaggedDTensor" and device == "cpu", (name, kind, device)

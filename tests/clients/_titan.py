@@ -25,6 +25,11 @@ needs is patched here, for the run only where it touches torch or a shared modul
    `all_to_all_single` with split sizes (gloo's alltoallv, the same bytes).
 8. `torchao`, if installed, is hidden while torchtitan is imported (torchao >= 0.13 builds
    Triton kernels at import, which fails on CPU-only machines).
+9. `--checkpoint.async_mode async_with_pinned_mem` stages with `DefaultStager(StagingOptions(
+   use_non_blocking_copy=True, ...))`, which torch refuses without an accelerator ("Non-blocking
+   copy requires that the current accelerator is available"), for its own fully_shard too:
+   torchtitan's checkpointer gets the same options with blocking copies (pinning is ignored on
+   CPU by torch itself, with a warning); shared memory and asynchronous staging stay.
 
 `impl="veragged"` swaps `fully_shard` for `veragged.fully_shard` in every torchtitan module
 that imported torch's (its parallelize modules: `from torch.distributed.fsdp import
@@ -150,6 +155,7 @@ def _titan() -> dict:
             import torchtitan.distributed.utils as dist_utils
             import torchtitan.models.common.attention as attention
             import torchtitan.models.common.decoder as decoder
+            import torchtitan.components.checkpointer.dcp as checkpointer
             import torchtitan.trainer as trainer
             from torchtitan.config import ConfigManager
 
@@ -161,7 +167,8 @@ def _titan() -> dict:
         for k in added:  # torchtitan keeps the names it imported; nothing else sees them
             sys.modules.pop(k, None)
     _TITAN.update(utils=utils, metrics=metrics, dist_utils=dist_utils, attention=attention,
-                  decoder=decoder, trainer=trainer, ConfigManager=ConfigManager)
+                  decoder=decoder, trainer=trainer, checkpointer=checkpointer,
+                  ConfigManager=ConfigManager)
     return _TITAN
 
 
@@ -265,6 +272,15 @@ def _spmd_dist():
         _dist.set_dist(before)
 
 
+def _cpu_staging_options(*args, **kwargs):
+    """torch's StagingOptions with blocking copies (patch 9)."""
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    options = StagingOptions(*args, **kwargs)
+    options.use_non_blocking_copy = False
+    return options
+
+
 def _uncompiled_block_mask(*args, **kwargs):
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -287,6 +303,8 @@ def _cpu_run(titan: dict, impl: str):
         stack.enter_context(_spmd_dist())
         stack.enter_context(mock.patch.object(titan["decoder"], "create_attention_mask",
                                               _uncompiled_block_mask))
+        stack.enter_context(mock.patch.object(titan["checkpointer"], "StagingOptions",
+                                              _cpu_staging_options))
         stack.enter_context(mock.patch.object(
             titan["trainer"], "time",
             types.SimpleNamespace(perf_counter=__import__("time").perf_counter,
@@ -349,11 +367,26 @@ def train(impl: str, module: str, config: str, args: list[str], folder: str,
     `shards` counts the placements of the sharded parameters (to show which fully_shard ran) and
     `params` is, on rank 0 with `full_params`, every trained parameter in full (else None).
     """
-    titan = _titan()
     run = os.path.join(folder, f"run_{impl}")
-    cli = _cli(module, config, ["--dump_folder", run, "--checkpoint.enable",
-                                "--checkpoint.folder", os.path.join(folder, "seed"),
-                                "--checkpoint.load_only", *args])
+    return _train(impl, _cli(module, config, [
+        "--dump_folder", run, "--checkpoint.enable", "--checkpoint.folder",
+        os.path.join(folder, "seed"), "--checkpoint.load_only", *args]), full_params)
+
+
+def train_saving(impl: str, module: str, config: str, args: list[str], folder: str,
+                 run: str) -> dict:
+    """`train`, starting from the seed checkpoint in `folder` unless the run's own checkpoint
+    folder (`folder/run/checkpoint`) holds one (then from it: `--checkpoint.load_step` in
+    `args` picks which), saving there as `args` ask (`--checkpoint.interval`,
+    `--checkpoint.async_mode`)."""
+    return _train(impl, _cli(module, config, [
+        "--dump_folder", os.path.join(folder, run), "--checkpoint.enable",
+        "--checkpoint.initial_load_path", os.path.join(folder, "seed", "step-0"),
+        "--checkpoint.no-last-save-model-only", *args]))
+
+
+def _train(impl: str, cli: list[str], full_params: bool = False) -> dict:
+    titan = _titan()
     losses, norms = [], []
     with _cpu_run(titan, impl):
         cfg = titan["ConfigManager"]().parse_args(cli)

@@ -31,6 +31,8 @@ Gradient norms are compared to 1e-5 relative (each implementation sums its own s
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (scripts/install.sh)")
@@ -51,10 +53,10 @@ def assets(tmp_path_factory):
     return make_assets(str(tmp_path_factory.mktemp("titan_assets")))
 
 
-def _args(assets: dict, extra: list[str]) -> list[str]:
+def _args(assets: dict, extra: list[str], steps: int = STEPS) -> list[str]:
     return ["--hf_assets_path", assets["tokenizer"], "--dataloader.dataset_path", assets["data"],
             "--training.local_batch_size", "2", "--training.seq_len", "64",
-            "--training.steps", str(STEPS), "--training.max_norm", "1e9", *extra]
+            "--training.steps", str(steps), "--training.max_norm", "1e9", *extra]
 
 
 def _run_both(world, module, config, args, folder, full_params=False):
@@ -87,3 +89,32 @@ def test_torchtitan_deepseek_v3_expert_parallel(assets, tmp_path):
     assert any("StridedRaggedShard" in k for k in res["shards"]), res["shards"]  # (efsdp, ep)
     compare("deepseek_v3 ep2 loss", ref["loss"], res["loss"], LOSS_RTOL_4)
     compare("deepseek_v3 ep2 grad norm", ref["grad_norm"], res["grad_norm"], NORM_RTOL)
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_torchtitan_async_checkpoint_resumes_bitwise(assets, tmp_path, mode):
+    """torchtitan's `--checkpoint.async_mode` (DCP's async_save: a thread with the default
+    stager, or DefaultStager with shared memory and asynchronous staging; _titan.py patch 9):
+    10 steps saving at 5 and 10, then a run that resumes from step 5. The resumed steps must be
+    the uninterrupted run's, bitwise, and both runs torch's fully_shard's."""
+    folder, pool = str(tmp_path), client_pool(2)
+    args = _args(assets, [], steps=10)
+    pool.run(_titan.make_seed, "llama3", "llama3_debugmodel", args, folder)
+    saving = args + ["--checkpoint.interval", "5", "--checkpoint.async_mode", mode]
+    runs = {}
+    for impl in ("torch", "veragged"):
+        run = f"run_{impl}"
+        whole = pool.run(_titan.train_saving, impl, "llama3", "llama3_debugmodel", saving,
+                         folder, run)[0]
+        steps = sorted(os.listdir(os.path.join(folder, run, "checkpoint")))
+        assert steps == ["step-10", "step-5"], steps
+        resumed = pool.run(_titan.train_saving, impl, "llama3", "llama3_debugmodel",
+                           saving + ["--checkpoint.load_step", "5"], folder, run)[0]
+        assert len(whole["loss"]) == 10 and len(resumed["loss"]) == 5, (whole, resumed)
+        compare(f"{impl} {mode}: resumed loss", whole["loss"][5:], resumed["loss"])
+        compare(f"{impl} {mode}: resumed grad norm", whole["grad_norm"][5:],
+                resumed["grad_norm"])
+        runs[impl] = whole, resumed
+    assert any("RaggedShard" in k for k in runs["veragged"][0]["shards"])
+    compare(f"{mode}: loss", runs["torch"][0]["loss"], runs["veragged"][0]["loss"])
+    compare(f"{mode}: resumed loss", runs["torch"][1]["loss"], runs["veragged"][1]["loss"])
