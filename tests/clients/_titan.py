@@ -151,11 +151,11 @@ def _titan() -> dict:
             import torchtitan.tools.utils as utils
 
             assert utils.device_type == "cpu", utils.device_type
+            import torchtitan.components.checkpointer.dcp as checkpointer
             import torchtitan.components.metrics as metrics
             import torchtitan.distributed.utils as dist_utils
             import torchtitan.models.common.attention as attention
             import torchtitan.models.common.decoder as decoder
-            import torchtitan.components.checkpointer.dcp as checkpointer
             import torchtitan.trainer as trainer
             from torchtitan.config import ConfigManager
 

@@ -328,11 +328,11 @@ class DBuffer:
             self._copy_local(i, src)
 
     def check_loadable(self, i: int, value: torch.Tensor) -> None:
-        """Raise ValueError, without communication, if `load_(i, value)` cannot load `value`:
-        another shape, or a DTensor with tensor `i`'s placements whose local tensor is not this
-        rank's flat piece (what torch's `DTensor.from_local` and torch's loaders make of a
-        RaggedShard value: [Note: torch's entry points without the routing],
-        placement/torch_callers.py)."""
+        """Raise, without communication, if `load_(i, value)` cannot load `value`: ValueError
+        for another shape; RuntimeError, as torch's loaders, for a DTensor with tensor `i`'s
+        placements whose local tensor is not this rank's flat piece (what torch's
+        `DTensor.from_local` and torch's loaders make of a RaggedShard value: [Note: torch's
+        entry points without the routing], placement/torch_callers.py)."""
         p = self.params[i]
         name = self.entries[i].name
         if value.shape != p.shape:
@@ -343,7 +343,7 @@ class DBuffer:
         local = value._local_tensor if isinstance(value, DTensor) else None
         if (local is not None and tuple(value.placements) == p.placements
                 and (local.dim() != 1 or local.numel() != p._local_tensor.numel())):
-            raise ValueError(
+            raise RuntimeError(
                 f"{name}: the DTensor loaded into it has this parameter's placements "
                 f"{p.placements} but its local tensor has shape {list(local.shape)} where this "
                 f"rank holds {p._local_tensor.numel()} elements, flat: it was not sharded by "

@@ -24,7 +24,9 @@ tensor.connect_layers(
 
 # `torch.load(weights_only=True)` of what torch.save wrote of these ([Note: a RaggedDTensor has no
 # storage]), as torch registers its DTensor classes.
-torch.serialization.add_safe_globals([RaggedDTensor, RoutedDTensor, RaggedShard, StridedRaggedShard])
+torch.serialization.add_safe_globals(
+    [RaggedDTensor, RoutedDTensor, RaggedShard, StridedRaggedShard]
+)
 
 __all__ = [
     "RaggedDTensor",
