@@ -43,6 +43,7 @@ from veragged.dbuffer.grads import Gradients
 from veragged.dbuffer.inflight import PostForwardChunk, StagedGather
 from veragged.dbuffer.memory import ALIGN_BYTES, aligned_empty, free_storage
 from veragged.placement.api import distribute_tensor
+from veragged.placement.ragged_shard import RaggedShard
 from veragged.placement.tensor import RaggedDTensor, make_spec
 from veragged.placement.redistribute import redistribute
 from veragged.planner import plan
@@ -341,7 +342,8 @@ class DBuffer:
                 f"shape {list(p.shape)}"
             )
         local = value._local_tensor if isinstance(value, DTensor) else None
-        if (local is not None and tuple(value.placements) == p.placements
+        if (local is not None and any(isinstance(pl, RaggedShard) for pl in p.placements)
+                and tuple(value.placements) == p.placements
                 and (local.dim() != 1 or local.numel() != p._local_tensor.numel())):
             raise RuntimeError(
                 f"{name}: the DTensor loaded into it has this parameter's placements "
