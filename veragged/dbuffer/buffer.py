@@ -38,14 +38,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from veragged.dbuffer import comms, ops
-from veragged.dbuffer.entries import Entry as _Entry, ragged_placement
+from veragged.dbuffer.entries import Entry as _Entry
+from veragged.dbuffer.entries import ragged_placement
 from veragged.dbuffer.grads import Gradients
 from veragged.dbuffer.inflight import PostForwardChunk, StagedGather
 from veragged.dbuffer.memory import ALIGN_BYTES, aligned_empty, free_storage
 from veragged.placement.api import distribute_tensor
 from veragged.placement.ragged_shard import RaggedShard
-from veragged.placement.tensor import RaggedDTensor, make_spec
 from veragged.placement.redistribute import redistribute
+from veragged.placement.tensor import RaggedDTensor, make_spec
+from veragged.placement.torch_callers import WAYS_OUT
 from veragged.planner import plan
 from veragged.runtime.device import mesh_device
 from veragged.runtime.streams import current_stream_runtime
@@ -349,11 +351,8 @@ class DBuffer:
                 f"{name}: the DTensor loaded into it has this parameter's placements "
                 f"{p.placements} but its local tensor has shape {list(local.shape)} where this "
                 f"rank holds {p._local_tensor.numel()} elements, flat: it was not sharded by "
-                "veragged (torch's "
-                "full-state-dict loaders and DTensor.from_local slice a RaggedShard as a "
-                "replica). Call veragged.route_torch_entry_points() once before torch's "
-                "loaders, or use veragged.checkpoint.set_model_state_dict / set_state_dict or "
-                "veragged.DTensor.from_local"
+                "veragged (torch's full-state-dict loaders and DTensor.from_local slice a "
+                f"RaggedShard as a replica). {WAYS_OUT}"
             )
 
     def _full_value_local(self, i: int, value: torch.Tensor) -> torch.Tensor:

@@ -175,11 +175,15 @@ class RaggedShard(Placement):
         return f"RaggedShard(dims={self.dims}, local_units={_short(self.local_units)})"
 
     def __str__(self) -> str:
-        # [Note: torch's entry points without the routing] (torch_callers.py)
-        frame = called_from_distribute_tensor(1)
+        self._refuse_torch_distribute()
+        return f"RS{self.dims}"
+
+    def _refuse_torch_distribute(self) -> None:
+        """Raise if `__str__` was called by torch's `distribute_tensor` ([Note: torch's entry
+        points without the routing], torch_callers.py)."""
+        frame = called_from_distribute_tensor(2)
         if frame is not None:
             raise unrouted_error("torch.distributed.tensor.distribute_tensor", self, frame)
-        return f"RS{self.dims}"
 
     def __reduce__(self):
         return (type(self), (self.dims, self.local_units))
@@ -259,9 +263,7 @@ class StridedRaggedShard(RaggedShard):
         )
 
     def __str__(self) -> str:
-        frame = called_from_distribute_tensor(1)  # as RaggedShard's
-        if frame is not None:
-            raise unrouted_error("torch.distributed.tensor.distribute_tensor", self, frame)
+        self._refuse_torch_distribute()
         return f"SRS{self.dims}x{self.split_factor}"
 
     def __reduce__(self):

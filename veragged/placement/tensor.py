@@ -264,16 +264,17 @@ class RaggedDTensor(DTensor):
     # (torch's C++ would add the wrapper's storage offset, which its DTensor constructor copies
     # from the local tensor, to the null pointer; a DBuffer's local shards are views at nonzero
     # offsets, where torch's FSDP2 shards start at 0.) torch's code tells wrappers from plain
-    # tensors by exactly that: DCP's staging
-    # (`StateDictStager._offload_tensor`, used by `async_save`) copies a DTensor through its
-    # `__slots__` (`_local_tensor` staged to CPU, `_spec`) where a nonzero pointer would send it
-    # down the plain-tensor branch (`set_` of a CPU storage into the wrapper: a crash), and
-    # `Tensor.__reduce_ex__` pickles a wrapper as torch's DTensor pickles: its metadata, then
-    # the local shard and the spec, no gather. So `torch.save` of a state dict on each rank and
-    # `async_save(async_checkpointer_type=PROCESS)` (which pickles the staged state dict to a
-    # background process) work; `torch.load(weights_only=True)` takes the classes that
-    # placement/__init__.py registers as safe globals. The local shard's storage is
-    # `dt._local_tensor.untyped_storage()`.
+    # tensors by exactly that:
+    # - DCP's staging (`StateDictStager._offload_tensor`, used by `async_save`) copies a
+    #   wrapper through its `__slots__` (`_local_tensor` staged to CPU, `_spec`); a nonzero
+    #   pointer sends it down the plain-tensor branch (`set_` of a CPU storage into the
+    #   wrapper: a crash);
+    # - `Tensor.__reduce_ex__` pickles a wrapper as torch's DTensor pickles: its metadata, then
+    #   the local shard and the spec, no gather. So a per-rank `torch.save` of a state dict and
+    #   `async_save(async_checkpointer_type=PROCESS)` (which pickles the staged state dict to a
+    #   background process) work, and `torch.load(weights_only=True)` takes the classes that
+    #   placement/__init__.py registers as safe globals.
+    # The local shard's storage is `dt._local_tensor.untyped_storage()`.
 
     def data_ptr(self) -> int:
         """0: a wrapper has no data of its own ([Note: a RaggedDTensor has no storage])."""
@@ -320,7 +321,6 @@ class RaggedDTensor(DTensor):
         out.__dict__.update(copy.deepcopy(own, memo))
         accumulate_grads_locally(out)
         return out
-
 
 
 def _redistribute_ragged(dt, device_mesh, placements, async_op, forward_dtype, backward_dtype):

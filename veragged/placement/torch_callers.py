@@ -22,7 +22,7 @@ rank runs the same keys in the same order, and no collective comes between):
   size before it loads any (`DBuffer.check_loadable`, veragged/dbuffer/buffer.py).
 
 Each error names the state-dict key where the caller's frame has it, and both ways out: the
-routing, and veragged's own functions. Checked by tests/checkpoint/test_torch_entry_points.py on
+routing, and veragged's own functions. Checked by tests/checkpoint/test_unrouted_errors.py on
 torch 2.11 and 2.15; a torch whose functions changed shape gets torch's own errors back.
 """
 
@@ -34,7 +34,9 @@ from types import CodeType, FrameType
 import torch.distributed._state_dict_utils as _sdu
 import torch.distributed.tensor._api as _dtensor_api
 
-__all__ = ["called_from_distribute_tensor", "called_from_loader_slicing", "unrouted_error"]
+__all__ = [
+    "WAYS_OUT", "called_from_distribute_tensor", "called_from_loader_slicing", "unrouted_error",
+]
 
 
 def _code(module, name: str) -> CodeType | None:
@@ -46,7 +48,7 @@ _DISTRIBUTE_TENSOR = _code(_dtensor_api, "distribute_tensor")
 _DISTRIBUTE_STATE_DICT = _code(_sdu, "_distribute_state_dict")
 _DISTRIBUTE_TENSORS = _code(_sdu, "_distribute_tensors")
 
-_WAYS_OUT = (
+WAYS_OUT = (
     "Call veragged.route_torch_entry_points() once before torch's loaders (it routes them to "
     "veragged for RaggedShard values only), or call veragged.checkpoint.set_model_state_dict / "
     "set_optimizer_state_dict / set_state_dict (torch's arguments) or veragged.distribute_tensor"
@@ -83,5 +85,5 @@ def unrouted_error(what: str, placement, frame: FrameType | None) -> RuntimeErro
     return RuntimeError(
         f"{what} cannot take the RaggedShard placement {placement!r}{where}: torch's "
         f"distribute_tensor and full-state-dict loaders know only torch's placements. "
-        f"{_WAYS_OUT}"
+        f"{WAYS_OUT}"
     )
