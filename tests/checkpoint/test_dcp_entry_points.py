@@ -84,7 +84,8 @@ def _train(model, optim, steps: int, seed: int, index: int) -> None:
     index see the same tokens."""
     g = torch.Generator().manual_seed(seed * 8 + index)
     for _ in range(steps):
-        model.loss(torch.randint(0, model.embed.num_embeddings, (2, 9), generator=g)).backward()
+        tokens = torch.randint(0, model.embed.num_embeddings, (2, 9), generator=g, device="cpu")
+        model.loss(tokens.to(torch.get_default_device())).backward()
         optim.step()
         optim.zero_grad()
 
