@@ -56,12 +56,10 @@ def _before_load(state: FSDPState, module: nn.Module, state_dict: dict, prefix: 
     """Check what the load brings for the sharded parameters of `module` and its submodules
     (a DTensor with their placements must be this rank's piece: [Note: torch's entry points
     without the routing]) before torch takes any of it, then reshard."""
-    names = None
+    names = {id(m): f"{n}." if n else "" for n, m in module.named_modules()}
     for g in state.groups:
         for i, places in enumerate(g.locations):
             for mod, name in places:
-                if names is None:
-                    names = {id(m): f"{n}." if n else "" for n, m in module.named_modules()}
                 where = names.get(id(mod))
                 value = None if where is None else state_dict.get(f"{prefix}{where}{name}")
                 if isinstance(value, DTensor) and value.placements == g.sharded[i].placements:

@@ -33,7 +33,7 @@ import torch
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from veragged.placement.torch_callers import called_from_distribute_tensor, unrouted_error
+from veragged.placement.torch_callers import refuse_torch_caller
 
 __all__ = ["RaggedShard", "StridedRaggedShard"]
 
@@ -175,15 +175,8 @@ class RaggedShard(Placement):
         return f"RaggedShard(dims={self.dims}, local_units={_short(self.local_units)})"
 
     def __str__(self) -> str:
-        self._refuse_torch_distribute()
+        refuse_torch_caller(self)  # [Note: torch's entry points without the routing]
         return f"RS{self.dims}"
-
-    def _refuse_torch_distribute(self) -> None:
-        """Raise if `__str__` was called by torch's `distribute_tensor` ([Note: torch's entry
-        points without the routing], torch_callers.py)."""
-        frame = called_from_distribute_tensor(2)
-        if frame is not None:
-            raise unrouted_error("torch.distributed.tensor.distribute_tensor", self, frame)
 
     def __reduce__(self):
         return (type(self), (self.dims, self.local_units))
@@ -263,7 +256,7 @@ class StridedRaggedShard(RaggedShard):
         )
 
     def __str__(self) -> str:
-        self._refuse_torch_distribute()
+        refuse_torch_caller(self)  # as RaggedShard's
         return f"SRS{self.dims}x{self.split_factor}"
 
     def __reduce__(self):

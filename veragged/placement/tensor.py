@@ -40,7 +40,7 @@ from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach
 
 from veragged.placement import boxes
 from veragged.placement.layout import ragged_mesh_dim
-from veragged.placement.torch_callers import called_from_loader_slicing, unrouted_error
+from veragged.placement.torch_callers import refuse_torch_caller
 from veragged.runtime import caches
 
 __all__ = [
@@ -197,12 +197,7 @@ class RaggedDTensor(DTensor):
         return _UP.from_local(local_tensor, device_mesh, placements, **kwargs)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
-        # [Note: torch's entry points without the routing] (torch_callers.py)
-        frame = called_from_loader_slicing(1)
-        if frame is not None:
-            raise unrouted_error(
-                "torch's broadcast_from_rank0 full-state-dict loader", self.placements, frame
-            )
+        refuse_torch_caller(self)  # [Note: torch's entry points without the routing]
         if not torch.is_grad_enabled():
             return self._local_tensor
         if grad_placements is not None:
@@ -284,9 +279,8 @@ class RaggedDTensor(DTensor):
         """Unpickling ([Note: a RaggedDTensor has no storage]): torch's state (`__dict__`, then
         `_local_tensor` and `_spec`), less our flags, whose hooks did not travel."""
         dict_state, slots_state = state if isinstance(state, tuple) else (state, None)
-        for k, v in (dict_state or {}).items():
-            if not k.startswith("_veragged"):
-                setattr(self, k, v)
+        for k, v in _travelling(dict_state or {}).items():
+            setattr(self, k, v)
         for k, v in (slots_state or {}).items():
             setattr(self, k, v)
         accumulate_grads_locally(self)
@@ -316,11 +310,15 @@ class RaggedDTensor(DTensor):
         memo[id(self)] = out
         if self.grad is not None:
             out.grad = copy.deepcopy(self.grad, memo)
-        # Our own flags say which hooks a tensor holds: the copy holds none of them.
-        own = {k: v for k, v in self.__dict__.items() if not k.startswith("_veragged")}
-        out.__dict__.update(copy.deepcopy(own, memo))
+        out.__dict__.update(copy.deepcopy(_travelling(self.__dict__), memo))
         accumulate_grads_locally(out)
         return out
+
+
+def _travelling(attrs: dict) -> dict:
+    """The attributes a copy or an unpickled tensor takes: all but veragged's own flags, which
+    say which hooks a tensor holds (the copy holds none of them until it installs its own)."""
+    return {k: v for k, v in attrs.items() if not k.startswith("_veragged")}
 
 
 def _redistribute_ragged(dt, device_mesh, placements, async_op, forward_dtype, backward_dtype):

@@ -18,8 +18,9 @@ rank runs the same keys in the same order, and no collective comes between):
   `value.to_local()`: `RaggedDTensor.to_local`, called from there, raises before the copy;
 - on a meta model that loader makes a plain torch DTensor of the whole tensor under the
   RaggedShard spec (torch's `DTensor.from_local` asks the placement nothing), which reaches
-  `load_state_dict(assign=True)`: fully_shard's load hook checks every assigned value's local
-  size before it loads any (`DBuffer.check_loadable`, veragged/dbuffer/buffer.py).
+  `load_state_dict(assign=True)`: fully_shard's load pre-hook checks each such value's local
+  tensor before torch assigns it, and its post-hook every assigned value before the first load
+  collective (`DBuffer.check_loadable`, veragged/dbuffer/buffer.py).
 
 Each error names the state-dict key where the caller's frame has it, and both ways out: the
 routing, and veragged's own functions. Checked by tests/checkpoint/test_unrouted_errors.py on
@@ -33,10 +34,9 @@ from types import CodeType, FrameType
 
 import torch.distributed._state_dict_utils as _sdu
 import torch.distributed.tensor._api as _dtensor_api
+from torch.distributed.tensor.placement_types import Placement
 
-__all__ = [
-    "WAYS_OUT", "called_from_distribute_tensor", "called_from_loader_slicing", "unrouted_error",
-]
+__all__ = ["WAYS_OUT", "refuse_torch_caller"]
 
 
 def _code(module, name: str) -> CodeType | None:
@@ -55,17 +55,28 @@ WAYS_OUT = (
 )
 
 
-def called_from_distribute_tensor(depth: int) -> FrameType | None:
-    """The frame of torch's `distribute_tensor` if it is `depth` frames above the caller."""
-    frame = sys._getframe(depth + 1)
-    return frame if frame.f_code is _DISTRIBUTE_TENSOR else None
-
-
-def called_from_loader_slicing(depth: int) -> FrameType | None:
-    """The frame of torch's broadcast loader's slicing if it is `depth` frames above the
-    caller."""
-    frame = sys._getframe(depth + 1)
-    return frame if frame.f_code is _DISTRIBUTE_TENSORS else None
+def refuse_torch_caller(value) -> None:
+    """Raise, naming the way out, if the caller of the function that calls this is torch's
+    `distribute_tensor` or its broadcast loader's slicing; `value` is the RaggedShard placement
+    or DTensor that function was asked about. Identity checks only: this runs on every
+    `to_local()` and `str()` of a placement."""
+    frame = sys._getframe(2)
+    code = frame.f_code
+    if code is _DISTRIBUTE_TENSOR:
+        what = "torch.distributed.tensor.distribute_tensor"
+    elif code is _DISTRIBUTE_TENSORS:
+        what = "torch's broadcast_from_rank0 full-state-dict loader"
+    else:
+        return
+    met = (f"the RaggedShard placement {value!r}" if isinstance(value, Placement)
+           else f"a DTensor with placements {tuple(value.placements)!r}")
+    key = _key(frame)
+    where = f" (state dict key {key!r})" if key else ""
+    raise RuntimeError(
+        f"{what} cannot take {met}{where}: torch's "
+        f"distribute_tensor and full-state-dict loaders know only torch's placements. "
+        f"{WAYS_OUT}"
+    )
 
 
 def _key(frame: FrameType | None) -> str | None:
@@ -76,14 +87,3 @@ def _key(frame: FrameType | None) -> str | None:
             return key if isinstance(key, str) else None
         frame = frame.f_back if frame.f_code is _DISTRIBUTE_TENSOR else None
     return None
-
-
-def unrouted_error(what: str, placement, frame: FrameType | None) -> RuntimeError:
-    """The error for torch's function `what`, which met `placement` in `frame`."""
-    key = _key(frame)
-    where = f" (state dict key {key!r})" if key else ""
-    return RuntimeError(
-        f"{what} cannot take the RaggedShard placement {placement!r}{where}: torch's "
-        f"distribute_tensor and full-state-dict loaders know only torch's placements. "
-        f"{WAYS_OUT}"
-    )
