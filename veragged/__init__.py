@@ -19,6 +19,7 @@ from veragged.placement import (
     redistribute,
 )
 from veragged.planner import Layout, plan
+from veragged.quant import BlockFP8, MXFP8
 from veragged.checkpoint.torch_entry_points import (
     TorchEntryPointRouting,
     route_torch_entry_points,
@@ -30,6 +31,7 @@ from veragged.checkpoint.torch_entry_points import (
 DTensor = RaggedDTensor
 
 __all__ = [
+    "BlockFP8",
     "DTensor",
     "FSDPModule",
     "clip_grad_norm_",
@@ -43,6 +45,7 @@ __all__ = [
     "distribute_tensor",
     "from_local",
     "local_numel_and_offset",
+    "MXFP8",
     "plan",
     "redistribute",
     "route_torch_entry_points",

@@ -47,4 +47,11 @@ std::vector<int64_t> matrix_costs_op(c10::IntArrayRef block_rows, c10::IntArrayR
                                      int64_t ns_steps, int64_t precondition_frequency,
                                      int64_t max_preconditioner_dim);
 
+// quant_layout(int[] specs, int shard_size, int world, int align)
+//   -> (int slot_bytes, int[] segments, int[] rank_bytes)
+// specs: 8 ints per tensor (quant::TensorSpec's fields in order); segments: 9 ints each
+// (quant::Segment's fields in order), rank-major (quant/layout.h).
+std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>> quant_layout_op(
+    c10::IntArrayRef specs, int64_t shard_size, int64_t world, int64_t align);
+
 }  // namespace veragged

@@ -2,7 +2,8 @@
 //
 // Schemas live here only. Ops with tensor arguments take their kernels from TORCH_LIBRARY_IMPL
 // blocks beside each implementation (CPU: dbuffer/group_ops.cpp, CUDA: dbuffer/cuda/group_ops.cu;
-// optim/adamw8bit.cpp, optim/cuda/adamw8bit.cu; device-generic: optim/roots.cpp) plus a fake
+// optim/adamw8bit.cpp, optim/cuda/adamw8bit.cu; quant/tiles.cpp, quant/cuda/tiles.cu;
+// device-generic: optim/roots.cpp) plus a fake
 // kernel registered in Python (veragged/dbuffer/ops.py, veragged/optim/kernels.py,
 // veragged/optim/kronecker.py); host-side ops with no tensor arguments bind their single kernel
 // with the schema.
@@ -72,4 +73,15 @@ TORCH_LIBRARY(veragged, m) {
   // release for a background refresh job: optim/roots.cpp, [Note: asynchronous roots]).
   m.def("inverse_root_(Tensor(a!) out, Tensor factor, int root, float epsilon) -> ()");
   m.def("refresh_eigenbasis_(Tensor(a!) basis, Tensor(b!) order, Tensor factor, Tensor q) -> ()");
+  // Block-scaled 8-bit weights ([Note: block-scaled weights]): the packed all-gather slot's
+  // layout (host-side, quant/layout.h) and the tile kernels over a table of segments
+  // (quant/tiles.h; CPU: quant/tiles.cpp, CUDA: quant/cuda/tiles.cu, fakes:
+  // veragged/quant/ops.py).
+  m.def("quant_layout(int[] specs, int shard_size, int world, int align) "
+        "-> (int slot_bytes, int[] segments, int[] rank_bytes)",
+        &veragged::quant_layout_op);
+  m.def("check_tile_table(Tensor table, int numel, int bytes, int tiles, int raw_itemsize) -> ()");
+  m.def("quantize_tiles_(Tensor(a!) packed, Tensor src, Tensor table, int tiles, "
+        "ScalarType param_dtype) -> ()");
+  m.def("dequantize_tiles_(Tensor(a!) dst, Tensor packed, Tensor table, int tiles) -> ()");
 }

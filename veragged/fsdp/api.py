@@ -21,6 +21,7 @@ from veragged.dbuffer.buffer import DBuffer
 from veragged.dbuffer.chunked import ChunkedDBuffer
 from veragged.dbuffer.replicated import ReplicatedDBuffer
 from veragged.dbuffer.extension import ExtensionDBuffer, has_extension
+from veragged.dbuffer.quantized import QuantDBuffer
 from veragged.dbuffer.spmd import SpmdParam, spmd_param, tp_block_size
 from veragged.fsdp.dp_mesh import DpMesh, resolve_mesh, resolve_placement, split_param
 from veragged.fsdp.group import ParamGroup
@@ -187,6 +188,7 @@ def fully_shard(
     ignored_params: Iterable[nn.Parameter] | None = None,
     dp_mesh_dims=None,
     granularity_fn: Callable[[str, nn.Parameter], int | None] | None = None,
+    quant_fn: Callable[[str, nn.Parameter], object] | None = None,
 ):
     """Shard `module`'s parameters (those no inner `fully_shard` took) into DBuffers (`_bucket`).
 
@@ -207,13 +209,17 @@ def fully_shard(
     their own, so backward communicates only what requires grad ([Note: frozen parameters]).
     Parameters whose tensors define torch's `fsdp_pre_all_gather` / `fsdp_post_all_gather`
     are sharded as torch's `Shard(0)` and all-gathered through them
-    ([Note: all-gather extensions]). See [Note: fully_shard lifecycle].
+    ([Note: all-gather extensions]). `quant_fn(fqn, param)` returning a `veragged.BlockFP8` or
+    `veragged.MXFP8` (None: as usual) all-gathers that parameter in block-scaled 8 bits,
+    quantised where its tiles live, with no scale exchange ([Note: block-scaled weights]).
+    See [Note: fully_shard lifecycle].
     """
     call = _normalize_args(module, mesh, dp_mesh_dims, reshard_after_forward, mp_policy,
                            offload_policy)
     params, shared = _collect_params(call.modules, ignored_params)
     resolved = _resolve_params(params, shard_placement_fn, call.mesh)
-    groups = [_make_group(bucket, call, granularity_fn) for bucket in _bucket(resolved)]
+    groups = [_make_group(bucket, call, granularity_fn, quant_fn)
+              for bucket in _bucket(resolved)]
     state = FSDPState(call.modules, groups, mp_policy, call.auto)
     if shared:  # raised at the first forward, as torch does (torch's wording leads)
         state.init_error = ValueError(
@@ -388,11 +394,11 @@ def _bucket(params: list[_Param]) -> list[_Bucket]:
             for (mesh_key, _, chunked, _, extension), entries in by_kind.items()]
 
 
-def _make_group(bucket: _Bucket, call: _Call, granularity_fn) -> ParamGroup:
+def _make_group(bucket: _Bucket, call: _Call, granularity_fn, quant_fn=None) -> ParamGroup:
     """The DBuffer of one bucket and its `ParamGroup`, resharded (the sharded parameters
     registered in their modules)."""
     rafter, post_forward_group = _post_forward(call.reshard_after_forward, bucket.dp)
-    buffer = _make_buffer(bucket, call, granularity_fn)
+    buffer = _make_buffer(bucket, call, granularity_fn, quant_fn)
     for sharded, r in zip(buffer.params, bucket.params):
         with torch._C.DisableTorchFunctionSubclass():  # no ragged accumulation hooks
             sharded.requires_grad_(r.param.requires_grad)
@@ -409,11 +415,32 @@ def _make_group(bucket: _Bucket, call: _Call, granularity_fn) -> ParamGroup:
     return group
 
 
-def _make_buffer(bucket: _Bucket, call: _Call, granularity_fn) -> DBuffer:
+def _formats(bucket: _Bucket, quant_fn) -> list | None:
+    """Each parameter's block-scaled format (`quant_fn`), or None when none has one; refuses
+    the buckets that cannot quantise ([Note: block-scaled weights])."""
+    if quant_fn is None:
+        return None
+    formats = [quant_fn(r.fqn, r.param) for r in bucket.params]
+    named = [r.fqn for r, f in zip(bucket.params, formats) if f is not None]
+    if not named:
+        return None
+    why = ("their tensors define all-gather extension hooks (which decide what travels)"
+           if bucket.extension else
+           "their dp_mesh_dims name no shard dim (DDP mode: nothing is gathered)"
+           if bucket.dp.replicate_only else
+           "shard_placement_fn cuts them along a dim > 0 (torch's equal chunks, not whole tiles)"
+           if bucket.chunked else None)
+    if why is not None:
+        raise NotImplementedError(f"quant_fn gave block-scaled formats to {named}, but {why}")
+    return formats
+
+
+def _make_buffer(bucket: _Bucket, call: _Call, granularity_fn, quant_fn=None) -> DBuffer:
     """The kind of DBuffer the bucket's parameters need, holding them."""
     dp, entries = bucket.dp, bucket.params
     tensors = [(r.fqn, r.inner.detach()) for r in entries]
     infos = [r.info for r in entries]
+    formats = _formats(bucket, quant_fn)
     if bucket.extension:
         owners = [r.locations[0][0] for r in entries]  # the hooks' `module`
         return ExtensionDBuffer(tensors, dp.mesh, modules=owners, mp_policy=call.mp_policy,
@@ -430,6 +457,9 @@ def _make_buffer(bucket: _Bucket, call: _Call, granularity_fn) -> DBuffer:
         return ChunkedDBuffer(tensors, dp.mesh, dims=[r.dim for r in entries], spmd=infos,
                               **call.policy)
     blocks = [_block_size(r.fqn, r.param, granularity_fn, r.dim, r.info) for r in entries]
+    if formats is not None:
+        return QuantDBuffer(tensors, dp.mesh, formats=formats, block_sizes=blocks, spmd=infos,
+                            **call.policy)
     return DBuffer(tensors, dp.mesh, block_sizes=blocks, spmd=infos, **call.policy)
 
 

@@ -72,6 +72,13 @@ class FSDPModule(TorchFSDPModule):
     def _groups(self, recurse: bool) -> list[ParamGroup]:
         return [g for st in self._states(recurse) for g in st.groups]
 
+    def quant_stats(self, *, recurse: bool = True) -> list:
+        """The `QuantStats` (formats, bytes, all-gathers, quantisations) of every group that
+        all-gathers block-scaled weights, this module's and (`recurse`) its submodules'
+        ([Note: block-scaled weights]); empty when none does."""
+        return [g.buffer.stats for g in self._groups(recurse)
+                if getattr(g.buffer, "stats", None) is not None]
+
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         state = self._veragged_state
         for g in state.groups:
