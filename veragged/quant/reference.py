@@ -90,7 +90,7 @@ def dequantize(data: torch.Tensor, scales: torch.Tensor, fmt: BlockFormat,
     q = _tiled(data.view(torch.float8_e4m3fn).float(), fmt)
     x = q * inv[:, :, None, :, None]
     x = x.reshape(B, Rt * fmt.tile[0], Ct * fmt.tile[1])[:, :R, :C]
-    return x.reshape(data.shape).to(dtype)
+    return x.reshape(data.shape).to(dtype).contiguous()
 
 
 def fake_quantize(w: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
