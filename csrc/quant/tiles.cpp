@@ -63,28 +63,10 @@ void check_table(const at::Tensor& table, int64_t numel, int64_t bytes, int64_t 
   TORCH_CHECK_VALUE(expect == tiles, op, ": the table has ", expect, " tiles, not ", tiles);
 }
 
-// One tile's element range: row block [r0, r1) x column block [c0, c1) of row `t` of the table.
-struct Tile {
-  int64_t r0, r1, c0, c1;
-};
-
-inline Tile tile_of(const int64_t* t, int64_t k) {
-  const int64_t per_row = ceil_div(t[kCols], t[kTileCols]);
-  const int64_t tr = k / per_row, tc = k % per_row;
-  return {tr * t[kTileRows], std::min(t[kRows], (tr + 1) * t[kTileRows]), tc * t[kTileCols],
-          std::min(t[kCols], (tc + 1) * t[kTileCols])};
-}
-
 // Calls body(row pointer, tile index within the row) for tiles [begin, end) of the table.
 template <typename Body>
 void for_tiles(const int64_t* table, int64_t n_rows, int64_t begin, int64_t end, Body body) {
-  // The row holding tile `begin`: the last row whose first_tile <= begin.
-  int64_t lo = 0, hi = n_rows - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (table[mid * kTableCols + kFirstTile] <= begin) lo = mid; else hi = mid - 1;
-  }
-  for (int64_t row = lo, k = begin; k < end; ++row) {
+  for (int64_t row = table_row(table, n_rows, begin), k = begin; k < end; ++row) {
     const int64_t* t = table + row * kTableCols;
     const int64_t n = ceil_div(t[kRows], t[kTileRows]) * ceil_div(t[kCols], t[kTileCols]);
     for (int64_t j = k - t[kFirstTile]; j < n && k < end; ++j, ++k) body(t, j);
@@ -99,7 +81,7 @@ void quantize_cpu(uint8_t* packed, const src_t* src, const int64_t* table, int64
   };
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for_tiles(table, n_rows, begin, end, [&](const int64_t* t, int64_t k) {
-      const Tile b = tile_of(t, k);
+      const TileBox b = tile_box(t, k);
       const int64_t f = t[kFormat];
       if (f == kRaw) {
         param_t* out = reinterpret_cast<param_t*>(packed + t[kDataOff]);
@@ -124,7 +106,7 @@ void dequantize_cpu(param_t* dst, const uint8_t* packed, const int64_t* table, i
                     int64_t tiles) {
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for_tiles(table, n_rows, begin, end, [&](const int64_t* t, int64_t k) {
-      const Tile b = tile_of(t, k);
+      const TileBox b = tile_box(t, k);
       const int64_t f = t[kFormat];
       param_t* out = dst + t[kElemOff];
       if (f == kRaw) {
@@ -177,34 +159,36 @@ void dequantize_op_cuda(at::Tensor dst, const at::Tensor& packed, const at::Tens
 
 }  // namespace
 
-void check_quantize(const at::Tensor& packed, const at::Tensor& src, const at::Tensor& table,
-                    int64_t tiles, at::ScalarType param_dtype) {
-  const char* op = "quantize_tiles_";
+namespace {
+
+// The checks both ops make of their flat tensor (`name`) and packed buffer, then of the table.
+void check_operands(const char* op, const char* name, const at::Tensor& flat,
+                    const at::Tensor& packed, const at::Tensor& table, int64_t tiles,
+                    int64_t raw_itemsize) {
   TORCH_CHECK_VALUE(packed.scalar_type() == at::kByte && packed.is_contiguous(), op,
                     ": packed must be a contiguous uint8 tensor, got ", packed.scalar_type());
-  TORCH_CHECK_VALUE(float_dtype(src.scalar_type()) && src.is_contiguous(), op,
-                    ": src must be a contiguous float32, bfloat16 or float16 tensor, got ",
-                    src.scalar_type());
-  TORCH_CHECK_VALUE(float_dtype(param_dtype), op,
-                    ": param_dtype must be float32, bfloat16 or float16, got ", param_dtype);
-  TORCH_CHECK_VALUE(packed.device() == src.device() && table.device() == src.device(), op,
-                    ": packed, src and table must be on one device, got ", packed.device(), ", ",
-                    src.device(), ", ", table.device());
-  check_table(table, src.numel(), packed.numel(), tiles, c10::elementSize(param_dtype), op);
+  TORCH_CHECK_VALUE(float_dtype(flat.scalar_type()) && flat.is_contiguous(), op, ": ", name,
+                    " must be a contiguous float32, bfloat16 or float16 tensor, got ",
+                    flat.scalar_type());
+  TORCH_CHECK_VALUE(packed.device() == flat.device() && table.device() == flat.device(), op,
+                    ": ", name, ", packed and table must be on one device, got ",
+                    flat.device(), ", ", packed.device(), ", ", table.device());
+  check_table(table, flat.numel(), packed.numel(), tiles, raw_itemsize, op);
+}
+
+}  // namespace
+
+void check_quantize(const at::Tensor& packed, const at::Tensor& src, const at::Tensor& table,
+                    int64_t tiles, at::ScalarType param_dtype) {
+  TORCH_CHECK_VALUE(float_dtype(param_dtype), "quantize_tiles_: param_dtype must be float32, "
+                    "bfloat16 or float16, got ", param_dtype);
+  check_operands("quantize_tiles_", "src", src, packed, table, tiles,
+                 c10::elementSize(param_dtype));
 }
 
 void check_dequantize(const at::Tensor& dst, const at::Tensor& packed, const at::Tensor& table,
                       int64_t tiles) {
-  const char* op = "dequantize_tiles_";
-  TORCH_CHECK_VALUE(packed.scalar_type() == at::kByte && packed.is_contiguous(), op,
-                    ": packed must be a contiguous uint8 tensor, got ", packed.scalar_type());
-  TORCH_CHECK_VALUE(float_dtype(dst.scalar_type()) && dst.is_contiguous(), op,
-                    ": dst must be a contiguous float32, bfloat16 or float16 tensor, got ",
-                    dst.scalar_type());
-  TORCH_CHECK_VALUE(packed.device() == dst.device() && table.device() == dst.device(), op,
-                    ": dst, packed and table must be on one device, got ", dst.device(), ", ",
-                    packed.device(), ", ", table.device());
-  check_table(table, dst.numel(), packed.numel(), tiles, dst.element_size(), op);
+  check_operands("dequantize_tiles_", "dst", dst, packed, table, tiles, dst.element_size());
 }
 
 void check_tile_table_op(const at::Tensor& table, int64_t numel, int64_t bytes, int64_t tiles,

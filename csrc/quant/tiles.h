@@ -21,6 +21,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <c10/macros/Macros.h>
 
 #include <cstdint>
 
@@ -37,6 +38,30 @@ constexpr int64_t kTableCols = 9;
 enum Col : int64_t {
   kFormat = 0, kElemOff, kRows, kCols, kTileRows, kTileCols, kDataOff, kScaleOff, kFirstTile
 };
+
+// One tile's element range in its table row: rows [r0, r1) x columns [c0, c1).
+struct TileBox {
+  int64_t r0, r1, c0, c1;
+};
+
+// The table row holding tile `tile`: the last row whose first_tile <= tile.
+C10_HOST_DEVICE inline int64_t table_row(const int64_t* table, int64_t n_rows, int64_t tile) {
+  int64_t lo = 0, hi = n_rows - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (table[mid * kTableCols + kFirstTile] <= tile) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Tile `k` (row-major over tile-rows x tile-cols) of table row `t`.
+C10_HOST_DEVICE inline TileBox tile_box(const int64_t* t, int64_t k) {
+  const int64_t per_row = (t[kCols] + t[kTileCols] - 1) / t[kTileCols];
+  const int64_t tr = k / per_row, tc = k % per_row;
+  const int64_t r1 = (tr + 1) * t[kTileRows] < t[kRows] ? (tr + 1) * t[kTileRows] : t[kRows];
+  const int64_t c1 = (tc + 1) * t[kTileCols] < t[kCols] ? (tc + 1) * t[kTileCols] : t[kCols];
+  return {tr * t[kTileRows], r1, tc * t[kTileCols], c1};
+}
 
 // Checks shared by the CPU and CUDA ops (and mirrored by the fake kernels).
 void check_quantize(const at::Tensor& packed, const at::Tensor& src, const at::Tensor& table,

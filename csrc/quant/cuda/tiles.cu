@@ -20,27 +20,19 @@ namespace {
 constexpr int kWarps = 8;  // warps per block
 constexpr int kThreads = kWarps * 32;
 
-__device__ __forceinline__ int64_t ceil_div_d(int64_t x, int64_t m) { return (x + m - 1) / m; }
-
-__device__ __forceinline__ int64_t find_row(const int64_t* table, int64_t n_rows, int64_t tile) {
-  int64_t lo = 0, hi = n_rows - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (table[mid * kTableCols + kFirstTile] <= tile) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
-struct TileBox {
-  int64_t r0, r1, c0, c1;
+// Where one warp's tile is: its table row `t`, its index `k` in that row, its element range.
+struct WarpTile {
+  const int64_t* t;
+  int64_t k;
+  TileBox b;
+  int64_t width, n;  // columns of the box, elements of the box
 };
 
-__device__ __forceinline__ TileBox box_of(const int64_t* t, int64_t k) {
-  const int64_t per_row = ceil_div_d(t[kCols], t[kTileCols]);
-  const int64_t tr = k / per_row, tc = k % per_row;
-  const int64_t r1 = (tr + 1) * t[kTileRows] < t[kRows] ? (tr + 1) * t[kTileRows] : t[kRows];
-  const int64_t c1 = (tc + 1) * t[kTileCols] < t[kCols] ? (tc + 1) * t[kTileCols] : t[kCols];
-  return {tr * t[kTileRows], r1, tc * t[kTileCols], c1};
+__device__ __forceinline__ WarpTile locate(const int64_t* table, int64_t n_rows, int64_t tile) {
+  const int64_t* t = table + table_row(table, n_rows, tile) * kTableCols;
+  const int64_t k = tile - t[kFirstTile];
+  const TileBox b = tile_box(t, k);
+  return {t, k, b, b.c1 - b.c0, (b.r1 - b.r0) * (b.c1 - b.c0)};
 }
 
 template <typename src_t, typename param_t>
@@ -50,10 +42,10 @@ __global__ void quantize_kernel(uint8_t* packed, const src_t* src, const int64_t
   const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
   const int64_t n_warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
   for (int64_t tile = warp; tile < tiles; tile += n_warps) {
-    const int64_t* t = table + find_row(table, n_rows, tile) * kTableCols;
-    const int64_t k = tile - t[kFirstTile], f = t[kFormat];
-    const TileBox b = box_of(t, k);
-    const int64_t w = b.c1 - b.c0, n = (b.r1 - b.r0) * w, cols = t[kCols];
+    const WarpTile wt = locate(table, n_rows, tile);
+    const int64_t* t = wt.t;
+    const int64_t k = wt.k, f = t[kFormat], w = wt.width, n = wt.n, cols = t[kCols];
+    const TileBox b = wt.b;
     const src_t* in = src + t[kElemOff];
     if (f == kRaw) {
       param_t* out = reinterpret_cast<param_t*>(packed + t[kDataOff]);
@@ -85,10 +77,10 @@ __global__ void dequantize_kernel(param_t* dst, const uint8_t* packed, const int
   const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
   const int64_t n_warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
   for (int64_t tile = warp; tile < tiles; tile += n_warps) {
-    const int64_t* t = table + find_row(table, n_rows, tile) * kTableCols;
-    const int64_t k = tile - t[kFirstTile], f = t[kFormat];
-    const TileBox b = box_of(t, k);
-    const int64_t w = b.c1 - b.c0, n = (b.r1 - b.r0) * w, cols = t[kCols];
+    const WarpTile wt = locate(table, n_rows, tile);
+    const int64_t* t = wt.t;
+    const int64_t k = wt.k, f = t[kFormat], w = wt.width, n = wt.n, cols = t[kCols];
+    const TileBox b = wt.b;
     param_t* out = dst + t[kElemOff];
     if (f == kRaw) {
       const param_t* in = reinterpret_cast<const param_t*>(packed + t[kDataOff]);
