@@ -26,7 +26,9 @@ unshard (this rank's tiles; bf16_then_quant: the full weights), `gather ms` the 
 alone, `quant/gather` their ratio (the issue's target: < 0.1; CPU/gloo here, the GPU row is in
 scripts/gpu_check.sh); `transient MB` the buffers one unshard allocates (unsharded weights plus
 the gathered bytes and the persistent 8-bit slot), from their sizes.
-Prints a table and one JSON line.
+Prints a table and one JSON line. `--device cuda` runs one GPU per rank with NCCL (fresh
+processes; `scripts/gpu_check.sh` runs it with every visible GPU: with one, the "all-gather" is
+NCCL's copy of a world of one, so q/g there bounds the kernel, not the link).
 """
 
 from __future__ import annotations
@@ -41,13 +43,12 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import veragged
 from veragged.quant import Packing
 from veragged.tools.write_counter import WriteCounter
-from tests.harness.pool import get_pool
+from benchmarks.fsdp_step import add_device_argument, device_mesh, rank_runner
 
 FORMATS = {"block128": veragged.BlockFP8(), "block128_ue8m0": veragged.BlockFP8(scale="ue8m0"),
            "row128": veragged.BlockFP8(tile=(1, 128)), "mxfp8": veragged.MXFP8()}
@@ -64,12 +65,19 @@ class Block(nn.Module):
         self.n1, self.n2 = nn.Parameter(torch.ones(D)), nn.Parameter(torch.ones(D))
 
 
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _timed(fn, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
+        _sync()
         dist.barrier()
         t = time.perf_counter()
         fn()
+        _sync()
         best = min(best, time.perf_counter() - t)
     return best * 1e3
 
@@ -88,13 +96,14 @@ def _summary(counter, elements):
     return dict(bytes_per_elem=ag_bytes / elements, all_gathers=ag, all_reduces=ar)
 
 
-def _worker(D: int, F: int, repeats: int) -> dict:
+def _worker(D: int, F: int, repeats: int, device: str = "cpu") -> dict:
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = device_mesh(device)
+    dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else None
     out = {}
     for row in ["bf16", *FORMATS]:
         torch.manual_seed(0)
-        block = Block(D, F)
+        block = Block(D, F).to(dev)
         elements = sum(p.numel() for p in block.parameters())
         fmt = FORMATS.get(row)
         veragged.fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(
@@ -109,14 +118,16 @@ def _worker(D: int, F: int, repeats: int) -> dict:
         unsharded = buf.world * buf.shard_size * 2
         if fmt is None:
             gather_in = buf.shard.to(torch.bfloat16)
-            gather_out = torch.empty(world * gather_in.numel(), dtype=torch.bfloat16)
+            gather_out = torch.empty(world * gather_in.numel(), dtype=torch.bfloat16,
+                                     device=gather_in.device)
             r["quant_ms"] = 0.0
             r["transient_mb"] = unsharded / 2**20
         else:
             p = buf.packing
             r["quant_ms"] = _timed(lambda: torch.ops.veragged.quantize_tiles_(
                 buf._qslot, buf.shard, buf._qtable, p.quantize_tiles, torch.bfloat16), repeats)
-            gather_in, gather_out = buf._qslot, torch.empty(p.gather_bytes, dtype=torch.uint8)
+            gather_in = buf._qslot
+            gather_out = torch.empty(p.gather_bytes, dtype=torch.uint8, device=dev)
             r["transient_mb"] = (unsharded + p.gather_bytes + p.slot_bytes) / 2**20
             r["padding"] = buf.layout.padding / buf.layout.world_size / buf.shard_size
             raw = (p.elements - p.quantized_elements) * 2  # the norms, sent in bf16
@@ -126,13 +137,14 @@ def _worker(D: int, F: int, repeats: int) -> dict:
             gather_out.view(torch.uint8), gather_in.view(torch.uint8)), repeats)
         out[row] = r
     # torchao tensorwise: one all-reduce of the weights' amaxes, then e4m3 bytes gathered.
-    shard = out_shard = torch.randn(elements // world)
-    amax = torch.rand(7)
+    shard = out_shard = torch.randn(elements // world, device=dev)
+    amax = torch.rand(7, device=dev)
 
     def tensorwise():
         dist.all_reduce(amax, op=dist.ReduceOp.MAX)
         q = (out_shard * 2.0).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
-        dist.all_gather_into_tensor(torch.empty(world * q.numel(), dtype=torch.uint8), q)
+        dist.all_gather_into_tensor(torch.empty(world * q.numel(), dtype=torch.uint8,
+                                                device=dev), q)
 
     c = _counted(tensorwise)
     r = _summary(c, elements)
@@ -143,7 +155,7 @@ def _worker(D: int, F: int, repeats: int) -> dict:
     r["transient_mb"] = (elements * 1 + elements * 2) / 2**20
     out["tensorwise"] = r
     # torchao blockwise / MXFP8: bf16 gathered, the full weights quantised on every rank.
-    full = torch.randn(elements).to(torch.bfloat16)
+    full = torch.randn(elements, device=dev).to(torch.bfloat16)
     from types import SimpleNamespace
     shapes = [(D, D)] * 4 + [(F, D), (F, D), (D, F)]
     entries, off = [], 0
@@ -152,10 +164,11 @@ def _worker(D: int, F: int, repeats: int) -> dict:
         entries.append(SimpleNamespace(start=off, stop=off + n, shape=torch.Size(s)))
         off += n
     p = Packing(entries, [FORMATS["block128"]] * len(entries), off, 1, 0, torch.bfloat16, 256)
-    qbuf = torch.empty(p.slot_bytes, dtype=torch.uint8)
+    qbuf = torch.empty(p.slot_bytes, dtype=torch.uint8, device=dev)
+    table = p.quantize.to(full.device)
     r = dict(out["bf16"])
     r["quant_ms"] = _timed(lambda: torch.ops.veragged.quantize_tiles_(
-        qbuf, full[:off], p.quantize, p.quantize_tiles, torch.bfloat16), repeats)
+        qbuf, full[:off], table, p.quantize_tiles, torch.bfloat16), repeats)
     r["total_ms"] = out["bf16"]["total_ms"] + r["quant_ms"]
     r["transient_mb"] = out["bf16"]["transient_mb"] + p.slot_bytes / 2**20
     out["bf16_then_quant"] = r
@@ -169,11 +182,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--ffn", type=int, default=1408)
     ap.add_argument("--repeats", type=int, default=5)
+    add_device_argument(ap)
     args = ap.parse_args(argv)
     results = []
     for world in [int(w) for w in args.worlds.split(",")]:
-        per_rank = get_pool(world, timeout_s=600, device="cpu").run(
-            _worker, args.dim, args.ffn, args.repeats)
+        args.world = world
+        run = rank_runner(ap, args, timeout=600)
+        per_rank = run(_worker, args.dim, args.ffn, args.repeats, args.device)
         rows = per_rank[0]
         for name in ROWS:
             r = rows[name]
@@ -196,7 +211,7 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     print(json.dumps(dict(benchmark="block_fp8", date=datetime.date.today().isoformat(),
-                          commit=commit, torch=torch.__version__, dim=args.dim, ffn=args.ffn,
+                          commit=commit, torch=torch.__version__, device=args.device, dim=args.dim, ffn=args.ffn,
                           rows=results)))
     return 0
 

@@ -4,13 +4,17 @@
 #   2. the GoogleTests (CMake/CTest),
 #   3. every CUDA kernel against its CPU twin (tests/cuda/test_kernels_cuda.py), also under
 #      compute-sanitizer memcheck when it is installed,
+#   3b. block-scaled weights on CUDA (tests/cuda/test_quant_cuda.py): the tile kernels against
+#      their CPU twins bit for bit, compute="fp8"'s F.scaled_mm (1x128 x 128x128) against its
+#      dequantise-then-matmul reference,
 #   4. fully_shard on one GPU with NCCL: bitwise against torch's fully_shard, side streams used,
 #      no host sync in a step, the profiler's NCCL overlap (tests/cuda/test_fully_shard_cuda.py),
 #   5. the GPU benchmarks against torch's fully_shard in the same run, one rank per GPU:
 #      benchmarks/host_work.py (launches, host time per phase), benchmarks/fsdp_step.py (step
 #      time, phases as issued, what a step allocates and reserves, NCCL time and the part of it
 #      hidden behind compute) and, with 4 GPUs or more, benchmarks/fsdp_parallel.py (FSDP x TP,
-#      FSDP x EP; the same columns),
+#      FSDP x EP; the same columns), benchmarks/block_fp8.py (8-bit block-scaled gathers:
+#      bytes, collectives, quantisation time against the all-gather, against bf16),
 #   6. the CPU-side proofs the GPU design rests on (tests/runtime: happens-before orderings,
 #      host syncs, launch counts),
 #   7. the whole pytest suite on the GPUs (VERAGGED_TEST_DEVICE=cuda: rank r on GPU r with
@@ -57,11 +61,13 @@ if command -v compute-sanitizer >/dev/null; then
 else
   rows+=("| sanitizer | SKIPPED | 0 s | compute-sanitizer not installed |")
 fi
+stage quant_cuda "$PY" -m pytest -q tests/cuda/test_quant_cuda.py
 stage fully_shard "$PY" -m pytest -q tests/cuda/test_fully_shard_cuda.py
 ngpu=$("$PY" -c 'import torch; print(min(torch.cuda.device_count(), 8))')
 stage host_work_cuda "$PY" benchmarks/host_work.py --device cuda --world "$ngpu"
 stage fsdp_step_cuda "$PY" benchmarks/fsdp_step.py --device cuda --world "$ngpu" \
   --optimizers adamw
+stage block_fp8_cuda "$PY" -m benchmarks.block_fp8 --device cuda --worlds "$ngpu"
 if ((ngpu >= 4)); then
   stage fsdp_parallel_cuda "$PY" benchmarks/fsdp_parallel.py --device cuda
 else

@@ -9,6 +9,7 @@ are the base DBuffer's.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,8 @@ from veragged.planner import plan
 from veragged.quant.formats import QUANTIZABLE_DTYPES, BlockFormat
 from veragged.quant.layout import Packing
 from veragged.quant.ops import dequantize_tiles_, quantize_tiles_
+from veragged.quant.reference import scale_inv
+from veragged.quant.tensor import BlockScaledWeight
 
 __all__ = ["QuantDBuffer", "QuantStats"]
 
@@ -70,6 +73,10 @@ class QuantDBuffer(DBuffer):
                 raise ValueError(f"quant_fn({name!r}) = {f}: parameter {name!r} has dtype "
                                  f"{t.dtype}; block-scaled weights need one of "
                                  f"{[str(d) for d in QUANTIZABLE_DTYPES]}")
+            if f is not None and f.compute == "fp8" and t.dim() != 2:
+                raise ValueError(f"quant_fn({name!r}) = {f}: compute='fp8' needs a 2-D "
+                                 f"weight (F.linear's), parameter {name!r} has shape "
+                                 f"{list(t.shape)}; use compute='bf16' for it")
         if any(s is not None for s in kwargs.get("spmd") or ()):
             raise NotImplementedError(
                 f"block-scaled weights on tensor-parallel DTensors are not supported: "
@@ -129,6 +136,7 @@ class QuantDBuffer(DBuffer):
                 f"{self.param_dtype}")
         self._quantized_at = None  # the sharded versions the quantised slot was made from
         self._packed = None  # the gathered bytes, from the launch to the dequantisation
+        self._gemm: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # [Note: FP8 compute]
         if shard.is_meta:
             self.packing = None
             return params
@@ -143,6 +151,47 @@ class QuantDBuffer(DBuffer):
         s.slot_bytes, s.gather_bytes, s.rank_bytes = p.slot_bytes, p.gather_bytes, p.rank_bytes
         s.elements = p.elements
         return params
+
+    def _unsharded_param(self, e):
+        """compute="fp8" tensors are presented as `BlockScaledWeight`s ([Note: FP8 compute])."""
+        view = super()._unsharded_param(e)
+        i = next(j for j, x in enumerate(self.entries) if x is e)
+        f = self._formats[i]
+        if f is None or f.compute != "fp8":
+            return view
+        return BlockScaledWeight(view, f, weakref.ref(self), i, e.name)
+
+    # --- FP8 compute operands ([Note: FP8 compute]) --------------------------------------------
+
+    def _unpack(self, packed: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tensor `i`'s E4M3 data [R, C] and fp32 scales [R/tr, round_up(C/tc, 4)] (the GEMM's
+        layout: K blocks padded to 4, zeros) copied out of the gathered bytes, rank by rank."""
+        e, f = self.entries[i], self._formats[i]
+        R, C = e.shape
+        tr, tc = f.tile
+        Rt, Ct = -(-R // tr), -(-C // tc)
+        sb = f.scale_bytes
+        dev = packed.device
+        data = torch.empty(R, C, dtype=torch.uint8, device=dev)
+        scales = torch.zeros(Rt, -(-Ct // 4) * 4, dtype=torch.float32, device=dev)
+        for fmt, off, rows, cols, _, _, d, sc in self.packing.segments:
+            if fmt == 0 or not e.start <= off < e.stop:
+                continue
+            r0 = (off - e.start) // C
+            data[r0 : r0 + rows].copy_(packed[d : d + rows * C].view(rows, C))
+            t0, n = r0 // tr, -(-rows // tr)
+            raw = packed[sc : sc + n * Ct * sb]
+            raw = raw.view(torch.float32) if sb == 4 else raw
+            scales[t0 : t0 + n, :Ct] = scale_inv(raw.view(n, Ct), f)
+        return data.view(torch.float8_e4m3fn), scales
+
+    def gemm_operands(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tensor `i`'s gathered FP8 operands, while the buffer is unsharded."""
+        if i not in self._gemm:
+            raise RuntimeError(
+                f"{self.entries[i].name!r}: its FP8 operands exist between an unshard and the "
+                "next reshard; the weight was used while its group was resharded")
+        return self._gemm[i]
 
     # --- all-gather --------------------------------------------------------------------------
 
@@ -193,6 +242,8 @@ class QuantDBuffer(DBuffer):
             with torch.no_grad():
                 dequantize_tiles_(self._unsharded, packed, self._dqtable,
                                   self.packing.dequantize_tiles)
+                self._gemm = {i: self._unpack(packed, i) for i, f in enumerate(self._formats)
+                              if f is not None and f.compute == "fp8"}
             self.rt.release(self.key("packed"), packed, self._unsharded_stream, "drop")
         super()._finish_gather()
 
@@ -200,3 +251,4 @@ class QuantDBuffer(DBuffer):
         """Free the unsharded buffer. `reshard_after_forward=k` reshards fully here: the next
         all-gather re-sends the kept 8-bit slot ([Note: block-scaled weights])."""
         super().reshard(None)
+        self._gemm = {}

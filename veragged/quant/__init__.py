@@ -22,8 +22,10 @@ format (`formats.py`); a group holding any is a `QuantDBuffer` (veragged/dbuffer
   this rank's slot from the shard (rounded to the param dtype first) into a persistent Q-byte
   buffer, only when a sharded parameter changed since it last did (a backward re-gather reuses
   the forward's bytes); one all-gather of uint8 moves every slot (never a dtype the backend
-  lacks); `dequantize_tiles_` then writes the param-dtype unsharded buffer (compute="bf16"),
-  and the gathered bytes are freed. No amax, scale or any other collective: a tile's scale
+  lacks); `dequantize_tiles_` then writes the param-dtype unsharded buffer, and the gathered
+  bytes are freed. compute="fp8" tensors also keep their E4M3 data and GEMM-layout scales,
+  copied out of the gathered bytes, and are presented as `BlockScaledWeight`s until the
+  reshard ([Note: FP8 compute] in linear.py). No amax, scale or any other collective: a tile's scale
   depends on its own elements only, and they are all on one rank.
 - exact: the rules are [Note: block-scaled rules] (csrc/quant/rules.h), the same inline code on
   CPU and CUDA; `reference.py` implements them in torch ops, and the gathered bytes equal its

@@ -63,6 +63,11 @@ class BlockFormat:
             return -(-R // tr) * tr * C, tr * C
         return n, R * C
 
+    def activation_format(self) -> "BlockFormat":
+        """How `compute="fp8"` quantises the activations a weight in this format multiplies:
+        one scale per 1 x tile-cols block of a row, the same scale rule."""
+        raise NotImplementedError
+
     def tiles(self, shape) -> tuple[int, int, int]:
         """(matrices, tile-rows, tile-cols) of the scales of a parameter of `shape`."""
         B, R, C = self.matrix(shape)
@@ -76,12 +81,6 @@ def _check_choice(cls: str, name: str, value, choices) -> None:
 
 def _check_compute(cls: str, compute) -> None:
     _check_choice(cls, "compute", compute, ("bf16", "fp8"))
-    if compute == "fp8":
-        raise NotImplementedError(
-            f"{cls}(compute='fp8') (the unsharded weight as a block-scaled tensor for "
-            "scaled_mm) is not built yet; compute='bf16' gathers the same 8-bit bytes and "
-            "dequantises them into the param-dtype weight"
-        )
 
 
 @dataclass(frozen=True)
@@ -91,7 +90,10 @@ class BlockFP8(BlockFormat):
     `scale_fmt`). `tile` may be any (rows, cols) of positive ints, (1, 128) included.
 
     compute: "bf16": the gathered 8-bit weight is dequantised into the param-dtype unsharded
-    parameter (the module is untouched; only communication is 8-bit).
+    parameter (the module is untouched; only communication is 8-bit). "fp8": the unsharded
+    parameter is a `BlockScaledWeight` (veragged/quant/tensor.py) whose `F.linear` quantises
+    the activations in 1 x tile-cols blocks and multiplies in FP8 ([Note: FP8 compute]); a 2-D
+    weight only.
     """
 
     tile: tuple[int, int] = (128, 128)
@@ -110,8 +112,12 @@ class BlockFP8(BlockFormat):
     def format_id(self) -> int:
         return FP32_SCALE if self.scale == "fp32" else UE8M0
 
+    def activation_format(self) -> "BlockFP8":
+        return BlockFP8(tile=(1, self.tile[1]), scale=self.scale, compute=self.compute)
+
     def __str__(self) -> str:
-        return f"BlockFP8({self.tile[0]}x{self.tile[1]}, {self.scale})"
+        extra = ", fp8 compute" if self.compute == "fp8" else ""
+        return f"BlockFP8({self.tile[0]}x{self.tile[1]}, {self.scale}{extra})"
 
 
 @dataclass(frozen=True)
@@ -133,5 +139,9 @@ class MXFP8(BlockFormat):
     def format_id(self) -> int:
         return MX_FLOOR if self.rounding == "floor" else MX_RCEIL
 
+    def activation_format(self) -> "MXFP8":
+        return self
+
     def __str__(self) -> str:
-        return f"MXFP8({self.rounding})"
+        extra = ", fp8 compute" if self.compute == "fp8" else ""
+        return f"MXFP8({self.rounding}{extra})"

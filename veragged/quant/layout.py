@@ -44,7 +44,9 @@ class Packing:
     Attributes: `slot_bytes` (Q: every rank's slot; the all-gather moves P * Q), `rank_bytes`
     (what each rank's segments use), `quantize` / `quantize_tiles` (this rank's table: offsets in
     its shard and its slot) and `dequantize` / `dequantize_tiles` (every rank's: offsets in the
-    unsharded buffer and the gathered P * Q bytes), host tensors checked by `check_tile_table`.
+    unsharded buffer and the gathered P * Q bytes), host tensors checked by `check_tile_table`;
+    `segments`: the rows of `dequantize` as lists (format, elem_off, rows, cols, tile_rows,
+    tile_cols, data_off, scale_off).
     """
 
     def __init__(self, entries, formats: Sequence[BlockFormat | None], shard_size: int,
@@ -65,6 +67,7 @@ class Packing:
         mine = [s[1:] for s in segments if s[0] == rank]
         every = [[f, r * shard_size + off, rows, cols, tr, tc, r * Q + d, r * Q + sc]
                  for r, f, off, rows, cols, tr, tc, d, sc in segments]
+        self.segments = every  # every rank's, as the dequantize table's rows
         self.quantize, self.quantize_tiles = _table(mine)
         self.dequantize, self.dequantize_tiles = _table(every)
         check = torch.ops.veragged.check_tile_table

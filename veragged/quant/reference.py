@@ -8,7 +8,7 @@ import torch
 
 from veragged.quant.formats import FP32_SCALE, MX_FLOOR, MX_RCEIL, UE8M0, BlockFormat
 
-__all__ = ["dequantize", "fake_quantize", "quantize"]
+__all__ = ["dequantize", "e8m0_to_float", "fake_quantize", "quantize", "scale_inv"]
 
 _E4M3_MAX = 448.0
 _AMAX_FLOOR = 1e-12
@@ -22,7 +22,8 @@ def _rceil(v: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(v), e, torch.full_like(e, 255))
 
 
-def _e8m0_value(e: torch.Tensor) -> torch.Tensor:
+def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
+    """The fp32 power of two each E8M0 byte of `e` means (0: 2^-127, 255: NaN)."""
     e = e.to(torch.int32) & 0xFF
     bits = torch.where(e == 0, torch.full_like(e, 0x00400000), e << 23)
     bits = torch.where(e == 255, torch.full_like(e, 0x7FC00000), bits)
@@ -46,7 +47,7 @@ def _scales(amax: torch.Tensor, format_id: int):
         e = torch.where(torch.isfinite(amax), e, torch.full_like(e, 255))
     else:
         raise ValueError(f"unknown format id {format_id}")
-    return _e8m0_value(254 - e), _e8m0_value(e), e.to(torch.uint8)
+    return e8m0_to_float(254 - e), e8m0_to_float(e), e.to(torch.uint8)
 
 
 def _tiled(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
@@ -80,13 +81,18 @@ def quantize(w: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Ten
     return data.contiguous(), stored.reshape(_scale_shape(w.shape, fmt))
 
 
+def scale_inv(scales: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """The fp32 factor each stored scale multiplies its tile's E4M3 values by."""
+    return scales.float() if fmt.format_id == FP32_SCALE else e8m0_to_float(scales)
+
+
 def dequantize(data: torch.Tensor, scales: torch.Tensor, fmt: BlockFormat,
                dtype: torch.dtype) -> torch.Tensor:
     """The weight `quantize`'s output means, in `dtype`: fp32(q) * scale_inv, then rounded."""
     B, R, C = fmt.matrix(data.shape)
     _, Rt, Ct = fmt.tiles(data.shape)
     s = scales.reshape(B, Rt, Ct)
-    inv = s.float() if fmt.format_id == FP32_SCALE else _e8m0_value(s)
+    inv = scale_inv(s, fmt)
     q = _tiled(data.view(torch.float8_e4m3fn).float(), fmt)
     x = q * inv[:, :, None, :, None]
     x = x.reshape(B, Rt * fmt.tile[0], Ct * fmt.tile[1])[:, :R, :C]
