@@ -37,5 +37,8 @@ format (`formats.py`); a group holding any is a `QuantDBuffer` (veragged/dbuffer
 from veragged.quant.formats import BlockFP8, BlockFormat, MXFP8
 from veragged.quant.layout import Packing
 from veragged.quant import ops  # noqa: F401  (fake kernels)
+from veragged.quant.export import deepseek_state_dict
+from veragged.quant.tensor import BlockScaledWeight
 
-__all__ = ["BlockFP8", "BlockFormat", "MXFP8", "Packing"]
+__all__ = ["BlockFP8", "BlockFormat", "BlockScaledWeight", "MXFP8", "Packing",
+           "deepseek_state_dict"]
