@@ -176,6 +176,39 @@ def _worker(D: int, F: int, repeats: int, device: str = "cpu") -> dict:
     return out
 
 
+#: (name, dim, kv dim, ffn) of the model-scale rows: Llama-3 8B and 70B blocks.
+MODEL_SCALE = [("llama3_8b", 4096, 1024, 14336), ("llama3_70b", 8192, 1024, 28672)]
+
+
+def model_scale(worlds=(2, 4, 8, 16, 64)) -> list[dict]:
+    """Planned bytes per weight element of one transformer block at model scale, from the
+    planner and the packed layout alone (no ranks, no data): what one all-gather of the block
+    moves, padding and scales included, for 128x128 fp32 and MXFP8 (bf16 params, fp32
+    masters: the DBuffer's alignment of 256 bytes of bf16)."""
+    from types import SimpleNamespace
+
+    from veragged.dbuffer.quantized import SLOT_ALIGN
+    from veragged.planner import plan
+
+    rows = []
+    for name, D, KV, F in MODEL_SCALE:
+        shapes = [(D, D), (KV, D), (KV, D), (D, D), (F, D), (F, D), (D, F)]
+        for fname in ("block128", "mxfp8"):
+            fmt = FORMATS[fname]
+            planned = [fmt.plan_shape(sh) for sh in shapes]
+            for world in worlds:
+                layout = plan([n for n, _ in planned], [b for _, b in planned], world,
+                              align=256 // 2)
+                entries = [SimpleNamespace(start=a, stop=a + sh[0] * sh[1], shape=torch.Size(sh))
+                           for (a, _), sh in zip(layout.ranges, shapes)]
+                p = Packing(entries, [fmt] * len(shapes), layout.shard_size, world, 0,
+                            torch.bfloat16, SLOT_ALIGN)
+                rows.append(dict(model=name, format=fname, world=world,
+                                 bytes_per_weight_elem=p.gather_bytes / p.elements,
+                                 planner_padding=layout.padding / (world * layout.shard_size)))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", default="2,4")
@@ -208,11 +241,18 @@ def main(argv=None) -> int:
               f"{r['bytes_vs_bf16']:>7.4f} {r['all_gathers']:>3} {r['all_reduces']:>3} "
               f"{r['quant_ms']:>9.3f} {r['gather_ms']:>9.3f} {r['quant_over_gather']:>6.3f} "
               f"{r['transient_mb']:>12.2f} {r['mem_vs_bf16']:>7.3f}")
+    scale = model_scale()
+    print("\nModel scale (planner + packed layout only): bytes per weight element of one block")
+    print(f"{'model':<11} {'format':<9} " + " ".join(f"{'P=' + str(w):>8}" for w in
+                                                   sorted({r['world'] for r in scale})))
+    for (m, f) in dict.fromkeys((r["model"], r["format"]) for r in scale):
+        vals = [r["bytes_per_weight_elem"] for r in scale if (r["model"], r["format"]) == (m, f)]
+        print(f"{m:<11} {f:<9} " + " ".join(f"{v:>8.5f}" for v in vals))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     print(json.dumps(dict(benchmark="block_fp8", date=datetime.date.today().isoformat(),
                           commit=commit, torch=torch.__version__, device=args.device, dim=args.dim, ffn=args.ffn,
-                          rows=results)))
+                          rows=results, model_scale=scale)))
     return 0
 
 

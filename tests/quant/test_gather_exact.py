@@ -55,7 +55,7 @@ def _gather_case(name, param_dtype):
     stats = model.quant_stats()[0]
     return dict(same_bytes=same_bytes, unsharded=unsharded, collectives=dict(counter.collectives),
                 quantizations=stats.quantizations, all_gathers=stats.all_gathers,
-                rank_bytes=stats.rank_bytes, world=buffer.world)
+                rank_bytes=stats.rank_bytes, slot_bytes=stats.slot_bytes, world=buffer.world)
 
 
 @pytest.mark.parametrize("world,name,dtype", [
@@ -78,6 +78,8 @@ def test_gathered_bytes_equal_the_one_process_quantiser(world, name, dtype):
         others = {k: v for k, v in r["collectives"].items() if "gather" not in k}
         assert others == {}, r  # no amax, scale or any other collective
         assert sum(gathers.values()) == (2 if world > 1 else 0) == r["all_gathers"], r
+        # Only the largest rank's bytes, rounded up to 16, travel per slot.
+        assert r["slot_bytes"] % 16 == 0 and 0 <= r["slot_bytes"] - max(r["rank_bytes"]) < 16, r
     if world == 8:  # some ranks hold no tile of some tensors, or nothing at all
         assert min(results[0]["rank_bytes"]) < max(results[0]["rank_bytes"]), results[0]
 

@@ -18,7 +18,6 @@ from veragged.dbuffer import comms
 from veragged.dbuffer.buffer import DBuffer
 from veragged.dbuffer.entries import Entry as _Entry
 from veragged.dbuffer.entries import ragged_placement
-from veragged.dbuffer.memory import ALIGN_BYTES
 from veragged.planner import plan
 from veragged.quant.formats import QUANTIZABLE_DTYPES, BlockFormat
 from veragged.quant.layout import Packing
@@ -27,6 +26,11 @@ from veragged.quant.reference import scale_inv
 from veragged.quant.tensor import BlockScaledWeight
 
 __all__ = ["QuantDBuffer", "QuantStats"]
+
+#: Every rank's packed slot is a multiple of this many bytes: each rank's region of the
+#: all-gather output starts 16-byte aligned (NCCL's vector width), and at most 15 padding bytes
+#: per rank travel ([Note: block-scaled weights]).
+SLOT_ALIGN = 16
 
 
 @dataclass
@@ -141,7 +145,7 @@ class QuantDBuffer(DBuffer):
             self.packing = None
             return params
         p = self.packing = Packing(self.entries, self._formats, self.shard_size, self.world,
-                                   self.rank, self.param_dtype, ALIGN_BYTES)
+                                   self.rank, self.param_dtype, SLOT_ALIGN)
         self._qtable = p.quantize.to(shard.device)
         self._dqtable = p.dequantize.to(self.compute_device)
         self._qslot = torch.empty(p.slot_bytes, dtype=torch.uint8, device=shard.device,

@@ -15,7 +15,7 @@ format (`formats.py`); a group holding any is a `QuantDBuffer` (veragged/dbuffer
   same Q bytes; in it, for each of the rank's pieces in buffer order, the E4M3 bytes (one per
   element, row-major) then the tile scales (row-major over tile-rows x tile-cols; fp32 or one
   E8M0 byte), each piece 16-byte aligned; a parameter without a format travels raw in the param
-  dtype in the same slot. Q is the largest rank's bytes, rounded up to 256: the planner's
+  dtype in the same slot. Q is the largest rank's bytes, rounded up to 16: the planner's
   padding between tensors is not sent. Each rank computes every rank's offsets from the plan,
   so scales need no exchange.
 - unshard: `quantize_tiles_` (one op per group, csrc/quant/tiles.cpp and cuda/tiles.cu) writes
