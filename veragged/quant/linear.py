@@ -23,7 +23,8 @@ by `QuantDBuffer` (never quantised again). `F.linear(x, weight, bias)` on it run
   dequantised weight the forward multiplied; grad_weight = grad_out^T @ x with the
   unquantised activations, in their dtype (a high-precision weight gradient: the master gets
   it through the usual reduce-scatter in `reduce_dtype`); grad_bias = grad_out summed.
-Nothing else changes: the gradient lands on the unsharded parameter as any other.
+Nothing else changes: the gradient lands on the unsharded parameter as any other. Under
+`torch.compile` each such `F.linear` runs eagerly (a graph break; the rest compiles).
 """
 
 from __future__ import annotations
@@ -112,6 +113,10 @@ class _BlockScaledLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+# Under torch.compile this runs eagerly (a graph break at each such F.linear; the rest of the
+# model compiles): traced, the autograd Function would see the weight's dequantised tensor as
+# the graph input and the gradient would never reach the BlockScaledWeight parameter.
+@torch.compiler.disable
 def block_scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         fmt: BlockFormat, operands=None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with x quantised in `fmt.activation_format()` blocks and the
