@@ -127,3 +127,47 @@ def test_formats_check_their_arguments():
         veragged.BlockFP8(scale="e4m3")
     with pytest.raises(ValueError, match="rounding must be one of"):
         veragged.MXFP8(rounding="even")
+
+
+def _combinations():
+    """TP and all-gather extensions are refused naming the parameters; CPU offload works and
+    gathers the same bytes as without it ([Note: block-scaled weights])."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from tests.fsdp.test_all_gather_extensions import BF16Weight
+
+    q = veragged.BlockFP8()
+    quant_fn = lambda n, p: q if p.ndim == 2 else None  # noqa: E731
+    out = {}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp_model = nn.Sequential(nn.Linear(16, 32))
+    parallelize_module(tp_model, mesh["tp"], {"0": ColwiseParallel()})
+    ext_model = nn.Linear(16, 16)
+    ext_model.weight = nn.Parameter(BF16Weight(ext_model.weight.detach()))
+    for label, model, m in (("tp", tp_model, mesh["dp"]), ("extension", ext_model, None)):
+        try:
+            veragged.fully_shard(model, mesh=m or get_mesh(), quant_fn=quant_fn)
+            out[label] = None
+        except (ValueError, TypeError, NotImplementedError) as e:
+            out[label] = f"{type(e).__name__}: {e}"
+    results = []
+    for offload in (None, CPUOffloadPolicy(pin_memory=False)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(200, 300), nn.Linear(300, 10))
+        kwargs = {} if offload is None else {"offload_policy": offload}
+        veragged.fully_shard(model, mesh=get_mesh(), quant_fn=quant_fn, **kwargs)
+        model.unshard()
+        results.append([p.detach().clone() for p in model.parameters()])
+        model.reshard()
+    out["offload_same"] = all(torch.equal(a, b) for a, b in zip(*results))
+    return out
+
+
+def test_tp_and_extensions_are_refused_and_offload_gathers_the_same():
+    for out in run_on_ranks(_combinations, 4, timeout=180):
+        assert out["tp"].startswith("NotImplementedError") and "'0.weight'" in out["tp"], out
+        assert out["extension"].startswith("NotImplementedError"), out
+        assert "'weight'" in out["extension"] and "extension" in out["extension"], out
+        assert out["offload_same"], out
