@@ -24,8 +24,8 @@ def _model():
 
 
 def _optimizer(kind, params):
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if kind.startswith("adamw"):  # fused: no version bump ([Note: shard epochs])
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=kind == "adamw_fused")
     return Muon(params, lr=0.02, weight_decay=0.1)
 
 
@@ -65,11 +65,17 @@ def _train(kind, fmt_name):
             p.grad = used[n].grad
         ref_opt.step()
         ref_opt.zero_grad()
-    same = {n: torch.equal(got[n], p.detach()) for n, p in ref.named_parameters()}
+    if kind == "adamw_fused":  # its CPU kernel's vector and scalar tails differ by an ulp on a
+        # shard against the whole tensor: close, not bitwise (stale weights are ~1e-2 off)
+        same = {n: torch.allclose(got[n], p.detach(), rtol=1e-5, atol=1e-6)
+                for n, p in ref.named_parameters()}
+    else:
+        same = {n: torch.equal(got[n], p.detach()) for n, p in ref.named_parameters()}
     return same, stats
 
 
 @pytest.mark.parametrize("world,kind,fmt", [(2, "adamw", "block128"), (4, "adamw", "mx_rceil"),
+                                            (2, "adamw_fused", "row128"),
                                             (2, "muon", "mx_floor"), (4, "muon", "ue8m0")])
 def test_training_equals_the_fake_quantised_one_process_model(world, kind, fmt):
     for same, stats in run_on_ranks(_train, world, args=(kind, fmt), timeout=240):

@@ -586,10 +586,27 @@ class DBuffer:
         by `Gradients.reduce`)."""
         return full
 
+    # [Note: shard epochs]
+    # Whether a gathered (or quantised, or kept post-forward) copy still holds the sharded
+    # parameters' values is decided by `_params_version`: the local tensors' version counters
+    # and the buffer's epoch. Version counters alone are not enough: torch's fused optimizers
+    # (`AdamW(fused=True)`, torchtitan's default) write the parameters without bumping them.
+    # So fully_shard starts a new epoch for every buffer of the tree at each root forward
+    # (`FSDPState._wait_post_optim`, where the optimizer's writes are ordered before the
+    # all-gathers) and at a public `unshard()` outside forward: a copy made before the last
+    # optimizer step is never taken as current, while a backward re-gather or a second use
+    # within one forward still reuses what that forward made.
+    _epoch = 0
+
+    def new_epoch(self) -> None:
+        """The sharded parameters may have changed unseen: [Note: shard epochs]."""
+        self._epoch += 1
+
     def _params_version(self) -> tuple[int, ...]:
-        """The version counters of the sharded parameters' local tensors: an in-place write
-        (optimizer step, load, init) to any of them changes the tuple."""
-        return tuple(p._local_tensor._version for p in self.params)
+        """The epoch and the version counters of the sharded parameters' local tensors: an
+        in-place write to any of them (optimizer step, load, init) or a new epoch changes the
+        tuple ([Note: shard epochs])."""
+        return (self._epoch, *(p._local_tensor._version for p in self.params))
 
     def reshard(self, post_forward_group: dist.ProcessGroup | None = None) -> None:
         """Free the unsharded buffer's storage (its views stay, without memory, until unshard).

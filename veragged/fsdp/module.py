@@ -81,7 +81,10 @@ class FSDPModule(TorchFSDPModule):
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         state = self._veragged_state
+        outside_forward = state.ctx.iter_forward_root is None
         for g in state.groups:
+            if outside_forward:  # an optimizer may have run: [Note: shard epochs]
+                g.buffer.new_epoch()
             g.unshard(async_op=True)
         handle = UnshardHandle(list(state.groups))
         if async_op:
