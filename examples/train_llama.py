@@ -18,6 +18,15 @@ variant (veragged.models.moe), its fused experts split over N ranks with tokens 
 all-to-all, FSDP over the rest (torchtitan's dp_shard_in_ep layout). A checkpoint resumes under
 another split of the same model (`--tp 2` into `--tp 4`, `--ep 2` into `--ep 4`, any world size);
 `--tp` models keep q, k, v (and gate, up) apart, so they and the fused `--tp 1` model differ.
+
+`--fp8 block128` all-gathers the weight of every Linear inside the transformer blocks (fused
+QKV, out, fused gate/up, down) as FP8 E4M3 in 128x128 tiles with fp32 scales (DeepSeek-V3's
+format, `veragged.BlockFP8()`), `--fp8 mxfp8` as MXFP8 (1x32 tiles, E8M0 scales,
+`veragged.MXFP8()`): about 1 byte per element instead of the param dtype's 2 (`--bf16`) or 4,
+dequantised into the param-dtype weight before the forward; masters, gradients, the optimizer
+and checkpoints are unchanged. The embedding, the output head and the norms are gathered
+unquantised, as DeepSeek-V3 keeps them in high precision. Rank 0 prints the gathered bytes per
+element and the all-gathers of the first step. Not with `--tp` or `--ep` (refused up front).
 """
 
 import argparse
@@ -29,6 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -61,7 +71,21 @@ def parse_args():
     p.add_argument("--block-size", type=int, default=None,
                    help="8-bit AdamW block (default: the largest divisor of 256 inside every "
                         "tensor-parallel part of a row)")
-    return p.parse_args()
+    p.add_argument("--fp8", choices=tuple(FP8_FORMATS), default="none",
+                   help="all-gather the Linear weights of the transformer blocks (qkv, out, "
+                        "gate_up, down) in 8 bits: block128 = BlockFP8() (FP8 E4M3, 128x128 "
+                        "tiles, fp32 scales), mxfp8 = MXFP8() (1x32 tiles, E8M0 scales); the "
+                        "embedding, output head and norms are gathered unquantised. Needs "
+                        "--tp 1 and --ep 1")
+    args = p.parse_args()
+    if args.fp8 != "none" and (args.tp > 1 or args.ep > 1):
+        # veragged's fully_shard raises NotImplementedError for block-scaled formats on
+        # tensor-parallel DTensors (a TP part's tiles are not the full weight's), which the
+        # --tp Linears and the --ep experts are.
+        p.error(f"--fp8 {args.fp8} needs --tp 1 and --ep 1: veragged does not quantise "
+                "tensor-parallel weights (--tp's split Linears) or expert-parallel ones "
+                "(--ep's experts)")
+    return args
 
 
 def text_tokens(device):
@@ -76,6 +100,50 @@ def batches(tokens, batch, seq, rank, world, step):
     starts = torch.randint(0, tokens.numel() - seq - 1, (world * batch,), generator=g)
     mine = starts[rank * batch : (rank + 1) * batch].tolist()
     return torch.stack([tokens[s : s + seq + 1] for s in mine])
+
+
+# `--fp8`: the block-scaled format of the transformer blocks' Linear weights.
+FP8_FORMATS = {"none": None, "block128": veragged.BlockFP8(), "mxfp8": veragged.MXFP8()}
+
+
+def fp8_quant_fn(model, fmt):
+    """`quant_fn(fqn, param)` for fully_shard: `fmt` for the weight of every nn.Linear inside
+    a transformer block, None for the rest (embedding, output head, norms, biases) and for
+    everything when `fmt` is None. Parameters are told apart by identity, since each
+    fully_shard call names them relative to its own module."""
+    if fmt is None:
+        return None
+    weights = {id(m.weight) for block in model.blocks for m in block.modules()
+               if isinstance(m, nn.Linear)}
+    return lambda fqn, param: fmt if id(param) in weights else None
+
+
+def unless_quantized(granularity_fn, quant_fn):
+    """`granularity_fn`, except None (no block of its own) for a parameter `quant_fn` gives a
+    format: the planner keeps a format's whole tile-rows on one rank, and a granularity must
+    divide them (MXFP8's tile-row is one row, finer than the fused QKV's 8-row blocks). The
+    8-bit AdamW blocks (--block-size divides every row) stay inside one row either way."""
+    if quant_fn is None:
+        return granularity_fn
+    return lambda fqn, param: None if quant_fn(fqn, param) else granularity_fn(fqn, param)
+
+
+def print_quant_stats(model, fmt_name):
+    """Rank 0's line on the 8-bit gathers of the first step: formats, bytes per gathered
+    element (scales, padding and the unquantised tensors of the same groups included; a bf16
+    gather is 2.0) and all-gathers."""
+    stats = model.quant_stats()
+    elements = sum(s.elements for s in stats)
+    gathered = sum(s.gather_bytes for s in stats)
+    names = sorted({f for s in stats for f in s.formats.values() if f != "raw"})
+    quantized = sum(f != "raw" for s in stats for f in s.formats.values())
+    print(
+        f"fp8 {fmt_name}: {', '.join(names)} on {quantized} weights in {len(stats)} groups, "
+        f"{gathered / elements:.4f} bytes/element gathered ({gathered / 2**20:.2f} MiB per "
+        f"unshard of all groups), {sum(s.all_gathers for s in stats)} all-gathers and "
+        f"{sum(s.quantizations for s in stats)} quantisations in the first step",
+        flush=True,
+    )
 
 
 def granularity(fqn, param):
@@ -108,8 +176,9 @@ def make_optimizer(args, model):
 
 
 def build_llama(args, device, world, mp, blocks):
-    """The Llama, sharded over all ranks or (--tp) over (dp, tp); returns it with this rank's
-    data-parallel index and the data-parallel size (TP ranks share a batch)."""
+    """The Llama, sharded over all ranks or (--tp) over (dp, tp), with --fp8's quant_fn; returns
+    it with this rank's data-parallel index and the data-parallel size (TP ranks share a
+    batch)."""
     tp = args.tp
     cfg = LlamaConfig(
         vocab=256,
@@ -129,9 +198,11 @@ def build_llama(args, device, world, mp, blocks):
         dp = mesh["dp"]
     else:
         dp = init_device_mesh(device.type, (world,))
+    quant = fp8_quant_fn(model, FP8_FORMATS[args.fp8])
+    blocks = unless_quantized(blocks, quant)
     for block in model.blocks:
-        veragged.fully_shard(block, mesh=dp, mp_policy=mp, granularity_fn=blocks)
-    veragged.fully_shard(model, mesh=dp, mp_policy=mp, granularity_fn=blocks)
+        veragged.fully_shard(block, mesh=dp, mp_policy=mp, granularity_fn=blocks, quant_fn=quant)
+    veragged.fully_shard(model, mesh=dp, mp_policy=mp, granularity_fn=blocks, quant_fn=quant)
     return model, dp.get_local_rank(), dp.size()
 
 
@@ -233,6 +304,8 @@ def main():
         opt.step()
         opt.zero_grad()
         seen += args.batch * args.seq * dp_world
+        if rank == 0 and step == start and args.fp8 != "none":
+            print_quant_stats(model, args.fp8)
         if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
             rate = seen / (time.perf_counter() - t0)
             print(

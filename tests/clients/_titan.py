@@ -34,7 +34,9 @@ needs is patched here, for the run only where it touches torch or a shared modul
 `impl="veragged"` swaps `fully_shard` for `veragged.fully_shard` in every torchtitan module
 that imported torch's (its parallelize modules: `from torch.distributed.fsdp import
 fully_shard`) and holds `veragged.route_torch_entry_points()`, for the run only: the two lines
-a torchtitan user adds. `impl="torch"` keeps torch's, and after building sets
+a torchtitan user adds; `quant=` a `veragged.BlockFP8`/`MXFP8` binds `quant_fn` into that
+fully_shard, giving the format to the Linear weights of the transformer blocks
+(`block_linear_quant_fn`). `impl="torch"` keeps torch's, and after building sets
 `set_force_sum_reduction_for_comms(True)` on its FSDPModules: torchtitan sets a gradient divide
 factor of 1.0, which makes torch's FSDP2 reduce with `ReduceOp.PREMUL_SUM`, a reduction gloo
 does not have (a sum with factor 1 is the same sum). veragged needs no such line.
@@ -43,6 +45,8 @@ does not have (a sum with factor 1 is the same sum). veragged needs no such line
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import gc
 import importlib.abc
 import json
@@ -287,9 +291,23 @@ def _uncompiled_block_mask(*args, **kwargs):
     return create_block_mask(*args, **kwargs)
 
 
+def block_linear_quant_fn(fmt, fqn: str, param) -> object | None:
+    """`fmt` for the weight of a Linear of a transformer block's attention or feed-forward
+    (llama3: `attention.qkv_linear.wqkv`, `attention.wo`, `feed_forward.w1`/`w2`/`w3`), None
+    for the rest (embedding, norms, lm_head). torchtitan shards each block on its own, so the
+    names are relative to the block, behind activation checkpointing's
+    `_checkpoint_wrapped_module.` when it wraps the block; its other fully_shard calls name no
+    such parameter."""
+    parts = [p for p in fqn.split(".") if p != "_checkpoint_wrapped_module"]
+    if parts[0] in ("attention", "feed_forward") and parts[-1] == "weight" and param.ndim == 2:
+        return fmt
+    return None
+
+
 @contextlib.contextmanager
-def _cpu_run(titan: dict, impl: str):
-    """The patches of one run (2-5, 7, and veragged's fully_shard where asked); undone after."""
+def _cpu_run(titan: dict, impl: str, quant=None):
+    """The patches of one run (2-5, 7, and veragged's fully_shard where asked, with `quant_fn`
+    for the format `quant`); undone after."""
     rank, world = dist.get_rank(), dist.get_world_size()
     env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
            "LOCAL_WORLD_SIZE": str(world)}
@@ -314,17 +332,20 @@ def _cpu_run(titan: dict, impl: str):
             import veragged
             from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+            ours = veragged.fully_shard if quant is None else functools.partial(
+                veragged.fully_shard, quant_fn=functools.partial(block_linear_quant_fn, quant))
             swapped = 0
             for name, mod in list(sys.modules.items()):
                 if name.startswith("torchtitan") and \
                         getattr(mod, "fully_shard", None) is torch_fully_shard:
-                    stack.enter_context(mock.patch.object(mod, "fully_shard",
-                                                          veragged.fully_shard))
+                    stack.enter_context(mock.patch.object(mod, "fully_shard", ours))
                     swapped += 1
             assert swapped, "no torchtitan module imported torch's fully_shard"
             stack.enter_context(veragged.route_torch_entry_points())
         elif impl != "torch":
             raise ValueError(f"impl must be 'torch' or 'veragged', got {impl!r}")
+        elif quant is not None:
+            raise ValueError("quant= needs impl='veragged' (torch's fully_shard has no quant_fn)")
         gc_was = gc.isenabled()
         try:
             yield
@@ -360,17 +381,20 @@ def make_seed(module: str, config: str, args: list[str], folder: str) -> None:
 
 
 def train(impl: str, module: str, config: str, args: list[str], folder: str,
-          full_params: bool = False) -> dict:
+          full_params: bool = False, quant=None) -> dict:
     """Train with torchtitan's Trainer from the seed checkpoint in `folder`; the logged metrics.
 
-    Returns {"loss": [...], "grad_norm": [...], "shards": {kind: count}, "params": ...} where
-    `shards` counts the placements of the sharded parameters (to show which fully_shard ran) and
-    `params` is, on rank 0 with `full_params`, every trained parameter in full (else None).
+    Returns {"loss": [...], "grad_norm": [...], "shards": {kind: count}, "params": ...,
+    "quant_stats": [...]} where `shards` counts the placements of the sharded parameters (to
+    show which fully_shard ran), `params` is, on rank 0 with `full_params`, every trained
+    parameter in full (else None), and `quant_stats` this rank's `quant_stats()` of the model
+    after training, as dicts (empty unless `quant`, a veragged format for the blocks' Linear
+    weights: `block_linear_quant_fn`; impl="veragged" only).
     """
-    run = os.path.join(folder, f"run_{impl}")
+    run = os.path.join(folder, f"run_{impl}" + ("" if quant is None else "_quant"))
     return _train(impl, _cli(module, config, [
         "--dump_folder", run, "--checkpoint.enable", "--checkpoint.folder",
-        os.path.join(folder, "seed"), "--checkpoint.load_only", *args]), full_params)
+        os.path.join(folder, "seed"), "--checkpoint.load_only", *args]), full_params, quant)
 
 
 def train_saving(impl: str, module: str, config: str, args: list[str], folder: str,
@@ -385,10 +409,10 @@ def train_saving(impl: str, module: str, config: str, args: list[str], folder: s
         "--checkpoint.no-last-save-model-only", *args]))
 
 
-def _train(impl: str, cli: list[str], full_params: bool = False) -> dict:
+def _train(impl: str, cli: list[str], full_params: bool = False, quant=None) -> dict:
     titan = _titan()
     losses, norms = [], []
-    with _cpu_run(titan, impl):
+    with _cpu_run(titan, impl, quant):
         cfg = titan["ConfigManager"]().parse_args(cli)
         trainer = cfg.build()
         try:
@@ -418,8 +442,11 @@ def _train(impl: str, cli: list[str], full_params: bool = False) -> dict:
             if full_params:
                 params = {name: p.detach().full_tensor().clone()
                           for part in trainer.model_parts for name, p in part.named_parameters()}
+            quant_stats = [dataclasses.asdict(s) for part in trainer.model_parts
+                           if hasattr(part, "quant_stats") for s in part.quant_stats()]
         finally:
             trainer.close()
     if dist.get_rank() != 0:
         params = None
-    return {"loss": losses, "grad_norm": norms, "shards": shards, "params": params}
+    return {"loss": losses, "grad_norm": norms, "shards": shards, "params": params,
+            "quant_stats": quant_stats}
