@@ -128,6 +128,8 @@ def test_fp8_refuses_tensor_and_expert_parallel_up_front():
     for flag in ("--tp", "--ep"):
         cmd = [sys.executable, str(ROOT / "examples" / "train_llama.py"), flag, "2",
                "--fp8", "block128"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": path})
         assert out.returncode == 2, out.stdout + out.stderr
         assert "--fp8 block128 needs --tp 1 and --ep 1" in out.stderr, out.stderr

@@ -591,11 +591,13 @@ class DBuffer:
     # parameters' values is decided by `_params_version`: the local tensors' version counters
     # and the buffer's epoch. Version counters alone are not enough: torch's fused optimizers
     # (`AdamW(fused=True)`, torchtitan's default) write the parameters without bumping them.
-    # So fully_shard starts a new epoch for every buffer of the tree at each root forward
-    # (`FSDPState._wait_post_optim`, where the optimizer's writes are ordered before the
-    # all-gathers) and at a public `unshard()` outside forward: a copy made before the last
-    # optimizer step is never taken as current, while a backward re-gather or a second use
-    # within one forward still reuses what that forward made.
+    # So fully_shard starts a new epoch for every buffer of the tree at each forward of the
+    # root module (`FSDPState._wait_post_optim`, where the optimizer's writes are ordered
+    # before the all-gathers; a submodule run on its own, as torchtitan's chunked loss runs
+    # lm_head between forward and backward, does not) and for a module's own buffers at its
+    # public `unshard()` outside forward: a copy made before the last optimizer step is never
+    # taken as current, while a backward re-gather or a second use within one iteration still
+    # reuses what that iteration made.
     _epoch = 0
 
     def new_epoch(self) -> None:

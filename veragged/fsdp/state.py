@@ -369,9 +369,10 @@ class FSDPState:
         current stream: order the all-gather stream after the post-optim event if one was
         set, else after everything the current stream queued (torch's rule)."""
         event, self.post_optim_event = self.post_optim_event, None
-        for state in self.ctx.all_states:  # unseen writes: [Note: shard epochs]
-            for g in state.groups:
-                g.buffer.new_epoch()
+        if self.is_root:  # unseen writes since the last iteration: [Note: shard epochs]
+            for state in self.ctx.all_states:
+                for g in state.groups:
+                    g.buffer.new_epoch()
         rt = self.ctx.streams
         if rt is None:
             return
