@@ -135,7 +135,8 @@ def _fp32_boundary_values() -> torch.Tensor:
     bits = centres.view(torch.int32)
     around = torch.cat([bits + k for k in range(-3, 4)])
     g = torch.Generator().manual_seed(7)
-    rand = torch.randint(0, 0x44000000, (1 << 20,), generator=g, dtype=torch.int32)  # < 512
+    rand = torch.randint(0, 0x44000000, (1 << 20,), generator=g, dtype=torch.int32,
+                         device="cpu").to(bits.device)  # < 512
     out = torch.cat([around, rand]).clamp(min=0).view(torch.float32)
     out = out[out < 512.0]
     return torch.cat([out, -out])
@@ -179,7 +180,7 @@ def test_every_finite_16_bit_value_equals_the_reference(fmt, bits, src, param):
     b = _finite_16_bit(bits)
     g = torch.Generator().manual_seed(3)
     w = torch.zeros(256 * 256, dtype=bits)
-    w[: b.numel()] = b[torch.randperm(b.numel(), generator=g)]
+    w[: b.numel()] = b[torch.randperm(b.numel(), generator=g, device="cpu").to(b.device)]
     w = w.view(256, 256).to(src)
     buf = _OneTensor((256, 256), FORMATS[fmt], param)
     p = buf.packing
