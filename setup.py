@@ -11,6 +11,7 @@ import glob
 import os
 import re
 import subprocess
+import sys
 
 from setuptools import find_packages, setup
 
@@ -56,6 +57,13 @@ def choose_cuda():
     return True, f"torch CUDA {torch.version.cuda}, nvcc {nvcc}"
 
 
+def openmp():
+    """Whether to build with -fopenmp: torch's ATen runs its parallel_for on OpenMP (libgomp,
+    which the extension then shares with torch) and the compiler is GCC-compatible on Linux."""
+    backend = torch.__config__.parallel_info()
+    return sys.platform.startswith("linux") and "parallel backend: OpenMP" in backend
+
+
 DEFAULT_ARCHS = "9.0"  # Hopper (H100/H200), the GPUs this project is run on
 
 
@@ -73,6 +81,11 @@ def make_extension():
     opt = ["-O0", "-g"] if debug else ["-O3"]
     macros = [("VERAGGED_WITH_CUDA", "1")] if build_cuda else []
     args = {"cxx": opt + ["-Wall", "-Wextra", "-Wno-unused-parameter"], "nvcc": opt}
+    link = []
+    if openmp():
+        # at::parallel_for is inline: without -fopenmp it runs every loop on one thread.
+        args["cxx"].append("-fopenmp")
+        link.append("-fopenmp")
     kind = CUDAExtension if build_cuda else CppExtension
     return kind(
         "veragged._C",
@@ -80,6 +93,7 @@ def make_extension():
         include_dirs=[os.path.join(ROOT, "csrc")],
         define_macros=macros,
         extra_compile_args=args,
+        extra_link_args=link,
     )
 
 

@@ -1,6 +1,10 @@
 // CPU kernels of the block-scaled tile ops (see tiles.h and [Note: block-scaled rules] in
-// rules.h): one task per tile, in parallel; every tile reads its own elements only, so the
-// result does not depend on the thread count or on which rank quantises the tile.
+// rules.h). Each thread takes a range of tiles (split by elements, TileWeights) and works through
+// it in runs of adjacent tiles of one tile-row: pass 1 reads the run row by row (contiguous
+// memory) into per-tile amaxes, then the scales, then pass 2 quantises row by row; the
+// per-element work is the vectorised row kernels of cpu_rows.h. Every tile reads its own
+// elements only, so the result does not depend on the thread count or on which rank quantises
+// the tile.
 
 #include "quant/tiles.h"
 
@@ -11,7 +15,10 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <type_traits>
+#include <vector>
 
+#include "quant/cpu_rows.h"
 #include "quant/rules.h"
 
 namespace veragged {
@@ -63,63 +70,227 @@ void check_table(const at::Tensor& table, int64_t numel, int64_t bytes, int64_t 
   TORCH_CHECK_VALUE(expect == tiles, op, ": the table has ", expect, " tiles, not ", tiles);
 }
 
-// Calls body(row pointer, tile index within the row) for tiles [begin, end) of the table.
-template <typename Body>
-void for_tiles(const int64_t* table, int64_t n_rows, int64_t begin, int64_t end, Body body) {
+// Work is split by elements, not by tiles (a group mixes 16384-element 128x128 tiles with
+// 32-element MXFP8 ones): every tile gets a weight (its full size) and a start, the sum of the
+// weights of the tiles before it; a parallel_for over [0, total weight) gives each thread the
+// tiles whose start falls in its range. Each tile is then written from its own elements only, so
+// neither the split nor the thread count changes any byte.
+class TileWeights {
+ public:
+  TileWeights(const int64_t* table, int64_t n_rows) : table_(table), starts_(n_rows + 1, 0) {
+    for (int64_t i = 0; i < n_rows; ++i) {
+      const int64_t* t = table + i * kTableCols;
+      starts_[i + 1] = starts_[i] + tiles_of(t) * weight_of(t);
+    }
+  }
+  int64_t total() const { return starts_.back(); }
+  // The first tile whose start is >= w (the number of tiles if none).
+  int64_t tile_at(int64_t w) const {
+    // The last row whose start is <= w (rows of no tiles share the next row's start).
+    const int64_t row =
+        std::upper_bound(starts_.begin(), starts_.end() - 1, w) - starts_.begin() - 1;
+    const int64_t* t = table_ + row * kTableCols;
+    const int64_t j = ceil_div(w - starts_[row], weight_of(t));
+    return t[kFirstTile] + std::min(j, tiles_of(t));
+  }
+  static int64_t tiles_of(const int64_t* t) {
+    return ceil_div(t[kRows], t[kTileRows]) * ceil_div(t[kCols], t[kTileCols]);
+  }
+  static int64_t weight_of(const int64_t* t) {
+    return std::max<int64_t>(
+        1, std::min(t[kTileRows], t[kRows]) * std::min(t[kTileCols], t[kCols]));
+  }
+
+ private:
+  const int64_t* table_;
+  std::vector<int64_t> starts_;
+};
+
+constexpr int64_t kGrainElems = 1 << 15;  // the least work a thread gets
+constexpr int64_t kGroupElems = 1 << 15;  // elements of the tiles processed together (L2-sized)
+
+// Calls group(row pointer, tile-row, first tile-col, end tile-col) for tiles [begin, end) of the
+// table, in runs of consecutive tiles of one tile-row of at most kGroupElems elements.
+template <typename Group>
+void for_tile_groups(const int64_t* table, int64_t n_rows, int64_t begin, int64_t end,
+                     Group group) {
+  if (begin >= end) return;
   for (int64_t row = table_row(table, n_rows, begin), k = begin; k < end; ++row) {
     const int64_t* t = table + row * kTableCols;
-    const int64_t n = ceil_div(t[kRows], t[kTileRows]) * ceil_div(t[kCols], t[kTileCols]);
-    for (int64_t j = k - t[kFirstTile]; j < n && k < end; ++j, ++k) body(t, j);
+    const int64_t per_row = ceil_div(t[kCols], t[kTileCols]);
+    const int64_t n = TileWeights::tiles_of(t);
+    const int64_t most = std::max<int64_t>(1, kGroupElems / TileWeights::weight_of(t));
+    const int64_t stop = std::min(n, end - t[kFirstTile]);
+    for (int64_t j = k - t[kFirstTile]; j < stop;) {
+      const int64_t tr = j / per_row, tc0 = j % per_row;
+      const int64_t tc1 = std::min({per_row, tc0 + most, tc0 + (stop - j)});
+      group(t, tr, tc0, tc1);
+      j += tc1 - tc0;
+    }
+    k = t[kFirstTile] + std::max<int64_t>(stop, k - t[kFirstTile]);
   }
 }
 
+template <typename Work>
+void parallel_tiles(const int64_t* table, int64_t n_rows, Work work) {
+  const TileWeights weights(table, n_rows);
+  at::parallel_for(0, weights.total(), kGrainElems, [&](int64_t w0, int64_t w1) {
+    work(weights.tile_at(w0), weights.tile_at(w1));
+  });
+}
+
+// One tile-row's run [c0, c1) of a table row, as rows of fp32 values.
+struct Run {
+  int64_t r0, r1, c0, c1;
+  int64_t width() const { return c1 - c0; }
+};
+
+Run run_of(const int64_t* t, int64_t tr, int64_t tc0, int64_t tc1) {
+  return {tr * t[kTileRows], std::min(t[kRows], (tr + 1) * t[kTileRows]), tc0 * t[kTileCols],
+          std::min(t[kCols], tc1 * t[kTileCols])};
+}
+
+// fp32 of param_t(x) for n values of src_t (what rules.h calls x).
 template <typename src_t, typename param_t>
-void quantize_cpu(uint8_t* packed, const src_t* src, const int64_t* table, int64_t n_rows,
-                  int64_t tiles) {
-  auto x_at = [&](const int64_t* t, int64_t r, int64_t c) {
-    return static_cast<float>(static_cast<param_t>(src[t[kElemOff] + r * t[kCols] + c]));
-  };
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for_tiles(table, n_rows, begin, end, [&](const int64_t* t, int64_t k) {
-      const TileBox b = tile_box(t, k);
-      const int64_t f = t[kFormat];
-      if (f == kRaw) {
-        param_t* out = reinterpret_cast<param_t*>(packed + t[kDataOff]);
-        for (int64_t c = b.c0; c < b.c1; ++c) out[c] = static_cast<param_t>(src[t[kElemOff] + c]);
-        return;
-      }
-      float amax = 0.0f;
-      for (int64_t r = b.r0; r < b.r1; ++r)
-        for (int64_t c = b.c0; c < b.c1; ++c) amax = abs_max(amax, x_at(t, r, c));
-      const TileScale s = tile_scale(f, amax);
-      store_scale(f, packed + t[kScaleOff] + k * tile_scale_bytes(f), s.stored);
-      uint8_t* data = packed + t[kDataOff];
-      for (int64_t r = b.r0; r < b.r1; ++r)
-        for (int64_t c = b.c0; c < b.c1; ++c)
-          data[r * t[kCols] + c] = quantize_value(x_at(t, r, c), s.mul);
-    });
+void load_values(const cpu::RowKernels& k, float* out, const src_t* in, int64_t n) {
+  const uint16_t* in16 = reinterpret_cast<const uint16_t*>(in);
+  if constexpr (std::is_same_v<src_t, float>) {
+    if constexpr (std::is_same_v<param_t, float>) std::memcpy(out, in, n * sizeof(float));
+    if constexpr (std::is_same_v<param_t, at::BFloat16>) k.round_bf16(out, in, n);
+    if constexpr (std::is_same_v<param_t, at::Half>) k.round_f16(out, in, n);
+  } else {
+    if constexpr (std::is_same_v<src_t, at::BFloat16>) k.bf16_to_f32(out, in16, n);
+    if constexpr (std::is_same_v<src_t, at::Half>) k.f16_to_f32(out, in16, n);
+    if constexpr (std::is_same_v<param_t, at::BFloat16> && !std::is_same_v<src_t, param_t>)
+      k.round_bf16(out, out, n);
+    if constexpr (std::is_same_v<param_t, at::Half> && !std::is_same_v<src_t, param_t>)
+      k.round_f16(out, out, n);
+  }
+}
+
+// param_t(x) for n values of src_t (a kRaw row), through `tmp` (n floats) when needed.
+template <typename src_t, typename param_t>
+void copy_raw(const cpu::RowKernels& k, param_t* out, const src_t* in, int64_t n, float* tmp) {
+  if constexpr (std::is_same_v<src_t, param_t>) {
+    std::memcpy(out, in, n * sizeof(param_t));
+  } else if constexpr (std::is_same_v<param_t, float>) {
+    load_values<src_t, float>(k, out, in, n);
+  } else {
+    const float* f = reinterpret_cast<const float*>(in);
+    if constexpr (!std::is_same_v<src_t, float>) {
+      load_values<src_t, float>(k, tmp, in, n);
+      f = tmp;
+    }
+    uint16_t* out16 = reinterpret_cast<uint16_t*>(out);
+    if constexpr (std::is_same_v<param_t, at::BFloat16>) k.f32_to_bf16(out16, f, n);
+    if constexpr (std::is_same_v<param_t, at::Half>) k.f32_to_f16(out16, f, n);
+  }
+}
+
+// Per-thread scratch: the run's values and its tiles' amax bits and multipliers / scale_invs.
+struct Scratch {
+  std::vector<float> values;
+  std::vector<uint32_t> amax;
+  std::vector<float> factor;
+};
+
+template <typename src_t, typename param_t>
+void quantize_run(const cpu::RowKernels& k, uint8_t* packed, const src_t* src, const int64_t* t,
+                  int64_t tr, int64_t tc0, int64_t tc1, Scratch& s) {
+  const Run b = run_of(t, tr, tc0, tc1);
+  const int64_t f = t[kFormat], cols = t[kCols], w = b.width(), tiles = tc1 - tc0;
+  const src_t* in = src + t[kElemOff];
+  if (f == kRaw) {
+    s.values.resize(w);
+    copy_raw<src_t, param_t>(k, reinterpret_cast<param_t*>(packed + t[kDataOff]) + b.c0,
+                             in + b.c0, w, s.values.data());
+    return;
+  }
+  // The run's values, rows of w: src itself for fp32 to fp32, else converted once.
+  constexpr bool direct = std::is_same_v<src_t, float> && std::is_same_v<param_t, float>;
+  const float* values;
+  int64_t stride;
+  if constexpr (direct) {
+    values = in + b.r0 * cols + b.c0;
+    stride = cols;
+  } else {
+    s.values.resize((b.r1 - b.r0) * w);
+    for (int64_t r = b.r0; r < b.r1; ++r)
+      load_values<src_t, param_t>(k, s.values.data() + (r - b.r0) * w, in + r * cols + b.c0, w);
+    values = s.values.data();
+    stride = w;
+  }
+  s.amax.assign(tiles, 0u);
+  for (int64_t r = 0; r < b.r1 - b.r0; ++r)
+    k.amax_bits(s.amax.data(), values + r * stride, w, t[kTileCols]);
+  s.factor.resize(tiles);
+  const int64_t per_row = ceil_div(cols, t[kTileCols]), sb = tile_scale_bytes(f);
+  for (int64_t j = 0; j < tiles; ++j) {
+    float amax = c10::detail::fp32_from_bits(s.amax[j]);
+    if (s.amax[j] > 0x7F800000u) {  // a NaN: rules.h's abs_max keeps the first one, sign and all
+      amax = 0.0f;
+      const int64_t lo = j * t[kTileCols], hi = std::min(w, lo + t[kTileCols]);
+      for (int64_t r = 0; r < b.r1 - b.r0; ++r)
+        for (int64_t c = lo; c < hi; ++c) amax = abs_max(amax, values[r * stride + c]);
+    }
+    const TileScale scale = tile_scale(f, amax);
+    store_scale(f, packed + t[kScaleOff] + (tr * per_row + tc0 + j) * sb, scale.stored);
+    s.factor[j] = scale.mul;
+  }
+  uint8_t* data = packed + t[kDataOff];
+  for (int64_t r = b.r0; r < b.r1; ++r)
+    k.quantize(data + r * cols + b.c0, values + (r - b.r0) * stride, w, t[kTileCols],
+               s.factor.data());
+}
+
+template <typename src_t, typename param_t>
+void quantize_cpu(uint8_t* packed, const src_t* src, const int64_t* table, int64_t n_rows) {
+  const cpu::RowKernels& k = cpu::row_kernels();
+  parallel_tiles(table, n_rows, [&](int64_t begin, int64_t end) {
+    Scratch s;
+    for_tile_groups(table, n_rows, begin, end,
+                    [&](const int64_t* t, int64_t tr, int64_t tc0, int64_t tc1) {
+                      quantize_run<src_t, param_t>(k, packed, src, t, tr, tc0, tc1, s);
+                    });
   });
 }
 
 template <typename param_t>
-void dequantize_cpu(param_t* dst, const uint8_t* packed, const int64_t* table, int64_t n_rows,
-                    int64_t tiles) {
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for_tiles(table, n_rows, begin, end, [&](const int64_t* t, int64_t k) {
-      const TileBox b = tile_box(t, k);
-      const int64_t f = t[kFormat];
-      param_t* out = dst + t[kElemOff];
-      if (f == kRaw) {
-        std::memcpy(out + b.c0, packed + t[kDataOff] + b.c0 * sizeof(param_t),
-                    (b.c1 - b.c0) * sizeof(param_t));
-        return;
-      }
-      const float inv = stored_scale_inv(f, packed + t[kScaleOff] + k * tile_scale_bytes(f));
-      const uint8_t* data = packed + t[kDataOff];
-      for (int64_t r = b.r0; r < b.r1; ++r)
-        for (int64_t c = b.c0; c < b.c1; ++c)
-          out[r * t[kCols] + c] = static_cast<param_t>(dequantize_value(data[r * t[kCols] + c], inv));
-    });
+void dequantize_run(const cpu::RowKernels& k, param_t* dst, const uint8_t* packed,
+                    const int64_t* t, int64_t tr, int64_t tc0, int64_t tc1, Scratch& s) {
+  const Run b = run_of(t, tr, tc0, tc1);
+  const int64_t f = t[kFormat], cols = t[kCols], w = b.width(), tiles = tc1 - tc0;
+  param_t* out = dst + t[kElemOff];
+  if (f == kRaw) {
+    std::memcpy(out + b.c0, packed + t[kDataOff] + b.c0 * sizeof(param_t), w * sizeof(param_t));
+    return;
+  }
+  const int64_t per_row = ceil_div(cols, t[kTileCols]), sb = tile_scale_bytes(f);
+  s.factor.resize(tiles);
+  for (int64_t j = 0; j < tiles; ++j)
+    s.factor[j] = stored_scale_inv(f, packed + t[kScaleOff] + (tr * per_row + tc0 + j) * sb);
+  const uint8_t* data = packed + t[kDataOff];
+  for (int64_t r = b.r0; r < b.r1; ++r) {
+    const uint8_t* q = data + r * cols + b.c0;
+    param_t* y = out + r * cols + b.c0;
+    uint16_t* y16 = reinterpret_cast<uint16_t*>(y);
+    const float* inv = s.factor.data();
+    if constexpr (std::is_same_v<param_t, float>) k.dequantize_f32(y, q, w, t[kTileCols], inv);
+    if constexpr (std::is_same_v<param_t, at::BFloat16>)
+      k.dequantize_bf16(y16, q, w, t[kTileCols], inv);
+    if constexpr (std::is_same_v<param_t, at::Half>) k.dequantize_f16(y16, q, w, t[kTileCols], inv);
+  }
+}
+
+template <typename param_t>
+void dequantize_cpu(param_t* dst, const uint8_t* packed, const int64_t* table, int64_t n_rows) {
+  const cpu::RowKernels& k = cpu::row_kernels();
+  parallel_tiles(table, n_rows, [&](int64_t begin, int64_t end) {
+    Scratch s;
+    for_tile_groups(table, n_rows, begin, end,
+                    [&](const int64_t* t, int64_t tr, int64_t tc0, int64_t tc1) {
+                      dequantize_run<param_t>(k, dst, packed, t, tr, tc0, tc1, s);
+                    });
   });
 }
 
@@ -130,7 +301,7 @@ void quantize_op(at::Tensor packed, const at::Tensor& src, const at::Tensor& tab
     using src_t = scalar_t;
     VERAGGED_DISPATCH_QUANT(param_dtype, "quantize_tiles_", [&] {
       quantize_cpu<src_t, scalar_t>(packed.data_ptr<uint8_t>(), src.data_ptr<src_t>(),
-                                    table.data_ptr<int64_t>(), table.size(0), tiles);
+                                    table.data_ptr<int64_t>(), table.size(0));
     });
   });
 }
@@ -139,7 +310,7 @@ void dequantize_op(at::Tensor dst, const at::Tensor& packed, const at::Tensor& t
   check_dequantize(dst, packed, table, tiles);
   VERAGGED_DISPATCH_QUANT(dst.scalar_type(), "dequantize_tiles_", [&] {
     dequantize_cpu<scalar_t>(dst.data_ptr<scalar_t>(), packed.data_ptr<uint8_t>(),
-                             table.data_ptr<int64_t>(), table.size(0), tiles);
+                             table.data_ptr<int64_t>(), table.size(0));
   });
 }
 
