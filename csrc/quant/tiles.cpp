@@ -243,15 +243,25 @@ void quantize_run(const cpu::RowKernels& k, uint8_t* packed, const src_t* src, c
                s.factor.data());
 }
 
-template <typename src_t, typename param_t>
-void quantize_cpu(uint8_t* packed, const src_t* src, const int64_t* table, int64_t n_rows) {
-  const cpu::RowKernels& k = cpu::row_kernels();
+// Runs `run(t, tr, tc0, tc1, scratch)` on every run of adjacent tiles of the table, the runs
+// split between threads by element count, one Scratch per thread.
+template <typename RunFn>
+void for_each_run(const int64_t* table, int64_t n_rows, RunFn run) {
   parallel_tiles(table, n_rows, [&](int64_t begin, int64_t end) {
     Scratch s;
     for_tile_groups(table, n_rows, begin, end,
                     [&](const int64_t* t, int64_t tr, int64_t tc0, int64_t tc1) {
-                      quantize_run<src_t, param_t>(k, packed, src, t, tr, tc0, tc1, s);
+                      run(t, tr, tc0, tc1, s);
                     });
+  });
+}
+
+template <typename src_t, typename param_t>
+void quantize_cpu(uint8_t* packed, const src_t* src, const int64_t* table, int64_t n_rows) {
+  const cpu::RowKernels& k = cpu::row_kernels();
+  for_each_run(table, n_rows, [&](const int64_t* t, int64_t tr, int64_t tc0, int64_t tc1,
+                                  Scratch& s) {
+    quantize_run<src_t, param_t>(k, packed, src, t, tr, tc0, tc1, s);
   });
 }
 
@@ -285,12 +295,9 @@ void dequantize_run(const cpu::RowKernels& k, param_t* dst, const uint8_t* packe
 template <typename param_t>
 void dequantize_cpu(param_t* dst, const uint8_t* packed, const int64_t* table, int64_t n_rows) {
   const cpu::RowKernels& k = cpu::row_kernels();
-  parallel_tiles(table, n_rows, [&](int64_t begin, int64_t end) {
-    Scratch s;
-    for_tile_groups(table, n_rows, begin, end,
-                    [&](const int64_t* t, int64_t tr, int64_t tc0, int64_t tc1) {
-                      dequantize_run<param_t>(k, dst, packed, t, tr, tc0, tc1, s);
-                    });
+  for_each_run(table, n_rows, [&](const int64_t* t, int64_t tr, int64_t tc0, int64_t tc1,
+                                  Scratch& s) {
+    dequantize_run<param_t>(k, dst, packed, t, tr, tc0, tc1, s);
   });
 }
 
