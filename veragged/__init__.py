@@ -1,6 +1,12 @@
 """veragged: structure-aware FSDP for PyTorch (RaggedShard, planner, DBuffer, optimizers)."""
 
+import logging
+
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
+
+# A library logs, the application decides what is shown: silent unless configured
+# (veragged/fsdp/log.py says what each level reports).
+logging.getLogger("veragged").addHandler(logging.NullHandler())
 
 from veragged import (
     _C,  # noqa: F401  (registers torch.ops.veragged.*)

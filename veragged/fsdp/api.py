@@ -25,6 +25,7 @@ from veragged.dbuffer.quantized import QuantDBuffer
 from veragged.dbuffer.spmd import SpmdParam, spmd_param, tp_block_size
 from veragged.fsdp.dp_mesh import DpMesh, resolve_mesh, resolve_placement, split_param
 from veragged.fsdp.group import ParamGroup
+from veragged.fsdp.log import log_groups, module_name
 from veragged.fsdp.module import FSDPModule, UnshardHandle
 from veragged.fsdp.state import FSDPState
 from veragged.fsdp.state_dict import register_state_dict_hooks
@@ -220,6 +221,7 @@ def fully_shard(
     resolved = _resolve_params(params, shard_placement_fn, call.mesh)
     groups = [_make_group(bucket, call, granularity_fn, quant_fn)
               for bucket in _bucket(resolved)]
+    log_groups(", ".join(module_name(m) for m in call.modules), groups)
     state = FSDPState(call.modules, groups, mp_policy, call.auto)
     if shared:  # raised at the first forward, as torch does (torch's wording leads)
         state.init_error = ValueError(

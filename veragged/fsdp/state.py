@@ -72,6 +72,7 @@ from torch.distributed.utils import _apply_to_tensors
 
 from veragged.fsdp.extensions import adopt_extensions
 from veragged.fsdp.group import ParamGroup, TrainingState
+from veragged.fsdp.log import log_root, module_name
 from veragged.fsdp.state_dict import take_assigned
 from veragged.runtime import for_device
 
@@ -252,6 +253,7 @@ class FSDPState:
         if self.auto_reshard_after_forward:
             for g in self.groups:
                 g.reshard_after_forward = False
+        log_root(module_name(self.modules[0]), [st for _, st in found])
 
     # --- forward -----------------------------------------------------------------------------
 
