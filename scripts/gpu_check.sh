@@ -48,7 +48,7 @@ stage() {  # stage NAME COMMAND...: run, log to $OUT/NAME.log, record PASS/FAIL 
   echo "$name: $r ($((SECONDS - t0)) s; log $OUT/$name.log)"
 }
 
-stage build bash -c "bash scripts/install.sh && $PY -c 'import torch, veragged; \
+stage build bash -c "bash scripts/install.sh && bash scripts/install_test.sh && $PY -c 'import torch, veragged; \
   assert torch._C._dispatch_has_kernel_for_dispatch_key(\"veragged::land_\", \"CUDA\"), \
   \"veragged._C was built without its CUDA kernels\"; print(\"CUDA kernels registered\")'"
 stage cpp bash -c "cmake -S tests/cpp -B build/cpp-tests -DCMAKE_BUILD_TYPE=Release >/dev/null \

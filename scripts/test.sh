@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Runs every test: installs/builds if needed, then GoogleTest (CMake/CTest), then pytest.
+# Runs every test: installs/builds if needed (scripts/install.sh, then the test-only
+# dependencies: scripts/install_test.sh), then GoogleTest (CMake/CTest), then pytest.
 # Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 bash scripts/install.sh
+bash scripts/install_test.sh
 
 echo "== C++ tests (GoogleTest via CTest)"
 build=build/cpp-tests

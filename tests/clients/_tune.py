@@ -2,7 +2,7 @@
 
 torchtune 0.6.1 imports torchao 0.13 at import time, and an installed torchao makes torchtitan
 0.3.0 build Triton kernels at import (which fails on CPU-only machines), so torchtune lives in its
-own virtual environment (`build/venv-torchtune`, made by scripts/install.sh with the system site
+own virtual environment (`build/venv-torchtune`, made by scripts/install_test.sh with the system site
 packages visible, so torch and veragged are the same). The test runs
 `build/venv-torchtune/bin/python -m tests.clients._tune OUT`, which runs the job below on a
 2-rank pool with torch's fully_shard and then with veragged's and pickles both results (or the

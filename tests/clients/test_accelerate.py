@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("accelerate", reason="accelerate is not installed (scripts/install.sh)")
-pytest.importorskip("transformers", reason="transformers is not installed (scripts/install.sh)")
+pytest.importorskip("accelerate", reason="accelerate is not installed (scripts/install_test.sh)")
+pytest.importorskip("transformers", reason="transformers is not installed (scripts/install_test.sh)")
 
 from tests.clients import _accel  # noqa: E402
 from tests.clients._launch import client_pool, compare  # noqa: E402

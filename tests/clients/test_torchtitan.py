@@ -42,8 +42,8 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (scripts/install.sh)")
-pytest.importorskip("tokenizers", reason="tokenizers is not installed (scripts/install.sh)")
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (scripts/install_test.sh)")
+pytest.importorskip("tokenizers", reason="tokenizers is not installed (scripts/install_test.sh)")
 
 from tests.clients import _titan  # noqa: E402
 from tests.clients._data import make_assets  # noqa: E402

@@ -1,7 +1,7 @@
 """torchtune 0.6.1's distributed utilities under torch's and veragged's fully_shard: bitwise equal.
 
 torchtune needs torchao 0.13, which breaks torchtitan's import, so it lives in its own virtual
-environment (build/venv-torchtune, made by scripts/install.sh); this test runs the launcher
+environment (build/venv-torchtune, made by scripts/install_test.sh); this test runs the launcher
 _tune.py there, which runs the LoRA recipe's set-up, training, full/adapter state dict gathering
 and the optimizer state round trip on 2 gloo ranks with each implementation (see _tune.py).
 Bitwise: with 2 ranks each gradient element is a sum of two addends, AdamW is element-wise and
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(600)
 
 def _torchtune_python() -> str:
     if not os.path.exists(VENV_PY):
-        pytest.skip("torchtune is not installed: no build/venv-torchtune (scripts/install.sh)")
+        pytest.skip("torchtune is not installed: no build/venv-torchtune (scripts/install_test.sh)")
     probe = subprocess.run([VENV_PY, "-c", "import torchtune"], capture_output=True, text=True)
     if probe.returncode:
         pytest.skip(f"torchtune does not import in build/venv-torchtune: {probe.stderr[-300:]}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="transformers is not installed (scripts/install.sh)")
+pytest.importorskip("transformers", reason="transformers is not installed (scripts/install_test.sh)")
 
 from tests.clients import _hf  # noqa: E402
 from tests.clients._launch import client_pool, compare  # noqa: E402
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", _hf.CASES)
 def test_transformers_matches_torch(case):
     if case == "llama_lora":
-        pytest.importorskip("peft", reason="peft is not installed (scripts/install.sh)")
+        pytest.importorskip("peft", reason="peft is not installed (scripts/install_test.sh)")
     pool = client_pool(2)
     ref = pool.run(_hf.run, "torch", case)
     res = pool.run(_hf.run, "veragged", case)
