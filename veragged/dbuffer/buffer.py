@@ -42,7 +42,7 @@ from veragged.dbuffer.entries import Entry as _Entry
 from veragged.dbuffer.entries import ragged_placement
 from veragged.dbuffer.grads import Gradients
 from veragged.dbuffer.inflight import PostForwardChunk, StagedGather
-from veragged.dbuffer.memory import ALIGN_BYTES, aligned_empty, free_storage
+from veragged.dbuffer.memory import ALIGN_BYTES, aligned_empty, free_storage, same_storage
 from veragged.placement.api import distribute_tensor
 from veragged.placement.ragged_shard import RaggedShard
 from veragged.placement.redistribute import redistribute
@@ -245,7 +245,8 @@ class DBuffer:
         with torch.no_grad():
             new = fn(self.shard)
         if new is self.shard or (new.dtype == self.dtype and new.device == self.device
-                                 and new.data_ptr() == self.shard.data_ptr()):
+                                 and same_storage(new, self.shard)
+                                 and new.storage_offset() == self.shard.storage_offset()):
             return False
         pin = self.pin_memory and new.device.type == "cpu"
         shard = aligned_empty(self.shard_size, new.dtype, new.device, pin_memory=pin)
@@ -302,9 +303,7 @@ class DBuffer:
         if p.dtype != self.dtype or p.device != self.device:
             return False
         local = p._local_tensor
-        return local.numel() == 0 or (
-            local.untyped_storage().data_ptr() == self.shard.untyped_storage().data_ptr()
-        )
+        return local.numel() == 0 or same_storage(local, self.shard)
 
     def load_(self, i: int, value: torch.Tensor) -> None:
         """Copy `value` into tensor `i`'s part of the shard (cast and moved as needed).

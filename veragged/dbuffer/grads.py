@@ -50,7 +50,7 @@ from veragged.dbuffer.grad_layout import FLAG_ALIGN_BYTES, GradLayout, plan_grad
 from veragged.dbuffer.inflight import (
     InFlightReduce, OffloadedLanding, PendingVerdicts, start_copy_to_host, start_read,
 )
-from veragged.dbuffer.memory import aligned_empty, free_storage
+from veragged.dbuffer.memory import aligned_empty, free_storage, same_storage
 
 if TYPE_CHECKING:
     from veragged.dbuffer.buffer import DBuffer
@@ -302,8 +302,7 @@ class Gradients:
             g is not None
             and self._shard_grad is not None
             and isinstance(g, DTensor)
-            and g._local_tensor.untyped_storage().data_ptr()
-            == self._shard_grad.untyped_storage().data_ptr()
+            and same_storage(g._local_tensor, self._shard_grad)
         )
 
     def _new_shard_grad(self) -> torch.Tensor:
