@@ -98,6 +98,10 @@ class DBuffer:
     # a subclass landing gradients in another layout sets False and overrides `rank_major`.
     GRADS_RANK_MAJOR = True
 
+    # The suffix of its profiler ranges: the fqn of the module(s) whose fully_shard group it is
+    # ([Note: trace ranges]), set at the root's lazy init; empty for the root or on its own.
+    trace_fqn = ""
+
     def __init__(
         self,
         tensors: Sequence[tuple[str, torch.Tensor]],
@@ -536,6 +540,11 @@ class DBuffer:
                       writes=(self.key("staged") if comm is not None else written,))
             self._gather_handle = rt.launched(work)
             self._gather_stage = None if comm is None else StagedGather(dest, out)
+
+    @property
+    def gathering(self) -> bool:
+        """Whether an all-gather was launched that `wait_unshard()` has not finished."""
+        return self._gather_handle is not None
 
     def gather_is_current(self) -> bool:
         """Whether the unsharded buffer holds the sharded parameters' current values (no

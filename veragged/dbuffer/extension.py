@@ -210,6 +210,10 @@ class ExtensionDBuffer(DBuffer):
     def is_unsharded(self) -> bool:
         return self._state != "sharded"
 
+    @property
+    def gathering(self) -> bool:
+        return self._state == "gathering"
+
     def _inputs(self, i: int) -> list[torch.Tensor]:
         """Parameter i's all-gather inputs (torch's `FSDPParam.all_gather_inputs`, SHARDED)."""
         e, local = self.entries[i], self.params[i]._local_tensor

@@ -51,6 +51,7 @@ from veragged.dbuffer.inflight import (
     InFlightReduce, OffloadedLanding, PendingVerdicts, start_copy_to_host, start_read,
 )
 from veragged.dbuffer.memory import aligned_empty, free_storage, same_storage
+from veragged.runtime import trace as tr
 
 if TYPE_CHECKING:
     from veragged.dbuffer.buffer import DBuffer
@@ -197,6 +198,10 @@ class Gradients:
         tensor i's range, all in one `land_` launch ([Note: gradient landing])."""
         if not grads:
             return
+        with tr.trace(tr.LAND_GRADS, self._buf.trace_fqn):
+            self._land(grads)
+
+    def _land(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
         buf = self._buf
         self._make_room([i for i, _ in grads])
         srcs: list[torch.Tensor] = []
@@ -487,6 +492,10 @@ class Gradients:
         done = self.resolve()
         if self._reduce is None:
             return done
+        with tr.trace(tr.FINISH_REDUCE, self._buf.trace_fqn):
+            return self._finish_reduce(done, bind, hook, defer)
+
+    def _finish_reduce(self, done: list[bool], bind, hook, defer: bool) -> list[bool]:
         red, self._reduce = self._reduce, None
         buf, lay = self._buf, self.layout
         rt = buf.rt
@@ -597,6 +606,12 @@ class Gradients:
         arriving on the host ([Note: offloaded gradients]), and the gradients of tensors waiting
         for their verdict ([Note: unreached parameters]); returns, per tensor, whether its
         gradient was written now."""
+        if self._landing is None and self._pending is None:
+            return [False] * len(self._buf.params)
+        with tr.trace(tr.RESOLVE_GRADS, self._buf.trace_fqn):
+            return self._resolve()
+
+    def _resolve(self) -> list[bool]:
         written = [False] * len(self._buf.params)
         landing, self._landing = self._landing, None
         if landing is not None:

@@ -24,6 +24,7 @@ from veragged.quant.layout import Packing
 from veragged.quant.ops import dequantize_tiles_, quantize_tiles_
 from veragged.quant.reference import scale_inv
 from veragged.quant.tensor import BlockScaledWeight
+from veragged.runtime import trace as tr
 
 __all__ = ["QuantDBuffer", "QuantStats"]
 
@@ -207,8 +208,9 @@ class QuantDBuffer(DBuffer):
         self._gathered_params = versions = self._params_version()
         self._post_forward = None
         if self._quantized_at != versions:
-            quantize_tiles_(self._qslot, self.shard, self._qtable, p.quantize_tiles,
-                            self.param_dtype)
+            with tr.trace(tr.QUANTIZE, self.trace_fqn):
+                quantize_tiles_(self._qslot, self.shard, self._qtable, p.quantize_tiles,
+                                self.param_dtype)
             rt.launch("quantize", reads=(self.key("shard"),), writes=(self.key("quantized"),))
             self._quantized_at = versions
             self.stats.quantizations += 1
@@ -243,7 +245,7 @@ class QuantDBuffer(DBuffer):
         if packed is not None:
             self.rt.launch("dequantize", reads=(self.key("packed"),),
                            writes=(self.key("unsharded"),))
-            with torch.no_grad():
+            with torch.no_grad(), tr.trace(tr.DEQUANTIZE, self.trace_fqn):
                 dequantize_tiles_(self._unsharded, packed, self._dqtable,
                                   self.packing.dequantize_tiles)
                 self._gemm = {i: self._unpack(packed, i) for i, f in enumerate(self._formats)

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from veragged.dbuffer.buffer import DBuffer
+from veragged.runtime import trace as tr
 
 __all__ = ["ParamGroup", "TrainingState"]
 
@@ -122,6 +123,11 @@ class ParamGroup:
         return self._registered is self.unsharded
 
     @property
+    def fqn(self) -> str:
+        """Its modules' fqn under the root, the suffix of its ranges ([Note: trace ranges])."""
+        return self.buffer.trace_fqn
+
+    @property
     def needs_gather(self) -> bool:
         """Whether `unshard` all-gathers: the buffer is free, or holds a prefetch that no
         module registered and the sharded parameters changed since it was gathered (a prefetch
@@ -135,12 +141,13 @@ class ParamGroup:
         if self.needs_gather:
             if not self.buffer.MAKES_UNSHARDED:
                 self._refuse_late_hooks()
-            # Memory released to the all-gather stream returns first; in forward the block
-            # computed last stays (held), so this all-gather does not wait for its compute.
-            rt = self.buffer.rt
-            rt.reclaim(rt.stream("all_gather"),
-                       keep_held=self.training_state == TrainingState.FORWARD)
-            self.buffer.unshard(async_op=True)
+            with tr.trace(tr.ALL_GATHER, self.fqn):
+                # Memory released to the all-gather stream returns first; in forward the block
+                # computed last stays (held), so this all-gather does not wait for its compute.
+                rt = self.buffer.rt
+                rt.reclaim(rt.stream("all_gather"),
+                           keep_held=self.training_state == TrainingState.FORWARD)
+                self.buffer.unshard(async_op=True)
         if not async_op:
             self.wait_for_unshard()
 
@@ -148,7 +155,9 @@ class ParamGroup:
         """Finish the all-gather and register the unsharded parameters in their modules."""
         if not self.buffer.is_unsharded:
             return
-        self.buffer.wait_unshard()
+        if self.buffer.gathering:
+            with tr.trace(tr.ALL_GATHER_COPY_OUT, self.fqn):
+                self.buffer.wait_unshard()
         if self.buffer.MAKES_UNSHARDED:
             self._adopt_unsharded()
         self._sync_requires_grad()
@@ -306,23 +315,25 @@ class ParamGroup:
         self._land()
         if self._grads_live and self.reduce_grads:  # else no-sync: they stay and accumulate
             self._launch_reduce(ctx)
-        if self.reshard_after_backward and self.is_unsharded:  # a prefetch stays in flight
-            self.reshard()
+        with tr.trace(tr.POST_BACKWARD_RESHARD, self.fqn):
+            if self.reshard_after_backward and self.is_unsharded:  # a prefetch stays in flight
+                self.reshard()
 
     def _launch_reduce(self, ctx) -> None:
-        ctx.before_reduce(self)
+        ctx.before_reduce(self)  # FSDP::post_backward_rs_wait when it finishes one
         trainable = [p.requires_grad and m for p, m in zip(self.sharded, self.buffer.grads.mask)]
         if self.reduce_scatter_unused_params:  # every trainable parameter gets a gradient
             unreached = None
         else:  # those no rank reached keep None: [Note: unreached parameters]
             unreached = [t and not h for h, t in zip(self._has_grad, trainable)]
-        self.buffer.grads.reduce(
-            accumulate=True,
-            divide_factor=self.gradient_divide_factor,
-            all_reduce=self.all_reduce_grads,
-            unreached=unreached,
-            async_op=True,
-        )
+        with tr.trace(tr.POST_BACKWARD_REDUCE, self.fqn):
+            self.buffer.grads.reduce(
+                accumulate=True,
+                divide_factor=self.gradient_divide_factor,
+                all_reduce=self.all_reduce_grads,
+                unreached=unreached,
+                async_op=True,
+            )
         self._bind = trainable  # frozen parameters never get a gradient
         self._has_grad = [False] * len(self.sharded)
         self._grads_live = False

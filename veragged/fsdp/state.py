@@ -75,6 +75,7 @@ from veragged.fsdp.group import ParamGroup, TrainingState
 from veragged.fsdp.log import log_root, module_name
 from veragged.fsdp.state_dict import take_assigned
 from veragged.runtime import for_device
+from veragged.runtime import trace as tr
 
 __all__ = ["FSDPState", "StateContext"]
 
@@ -123,8 +124,10 @@ class StateContext:
         flight: finish the oldest before launching the next."""
         if group in self.reducing:
             self.reducing.remove(group)
-        while len(self.reducing) >= self.max_reducing:
-            self.reducing.pop(0).finish_reduce()
+        if len(self.reducing) >= self.max_reducing:
+            with tr.trace_label(tr.rs_wait_label, group.fqn):
+                while len(self.reducing) >= self.max_reducing:
+                    self.reducing.pop(0).finish_reduce()
         self.reducing.append(group)
 
 
@@ -172,6 +175,7 @@ class FSDPState:
         self.post_optim_event = None
         self.max_reduce_scatter_buffers = 1  # set_reduce_scatter_max_input_buffers
         self.init_error: Exception | None = None  # a bad configuration, raised at lazy init
+        self.fqn = ""  # its modules' names under the root, for traces: [Note: trace ranges]
         for m in modules:
             pre = functools.partial(self._module_pre_forward, m)
             post = functools.partial(self._module_post_forward, m)
@@ -193,8 +197,11 @@ class FSDPState:
                 f"group of {len(self.modules)} modules; apply fully_shard to their parent too"
             )
         found: list[tuple[str, FSDPState]] = []
+        names: dict[int, list[str]] = {}  # id(state) -> its modules' names, for traces
         for name, module in self.modules[0].named_modules():
             state = getattr(module, "_veragged_state", None)
+            if state is not None:
+                names.setdefault(id(state), []).append(name)
             if state is None or any(state is s for _, s in found):
                 continue
             if state.init_error is not None:
@@ -238,6 +245,10 @@ class FSDPState:
             found.append((name, state))
         for _, state in found:  # hooks set on local tensors since: [Note: all-gather extensions]
             adopt_extensions(state)
+        for _, state in found:  # torch's labels: [Note: trace ranges]
+            state.fqn = ", ".join(names[id(state)])
+            for g in state.groups:
+                g.buffer.trace_fqn = state.fqn
         ctx = self.ctx
         for _, state in found:
             state.is_root = state is self
@@ -294,17 +305,21 @@ class FSDPState:
         self.training_state = TrainingState.FORWARD
         if first:
             if self.ctx.iter_forward_root is None:
-                self.ctx.iter_forward_root = self
-                self._wait_post_optim()
+                with tr.trace(tr.ROOT_PRE_FORWARD):
+                    self.ctx.iter_forward_root = self
+                    self._wait_post_optim()
         args, kwargs = self._cast_inputs(args, kwargs)
-        for g in self.groups:
-            g.pre_forward()
+        if self.groups:
+            with tr.trace(tr.PRE_FORWARD, self.fqn):
+                for g in self.groups:
+                    g.pre_forward()
+                if first and torch.is_grad_enabled():
+                    args, kwargs = self._register_post_backward(args, kwargs)
         if first:
-            if torch.is_grad_enabled() and self.groups:
-                args, kwargs = self._register_post_backward(args, kwargs)
             for target in self.forward_prefetch:
                 for g in target.groups:
-                    g.unshard(async_op=True)
+                    with tr.trace_label(tr.prefetch_label, "forward", target.fqn):
+                        g.unshard(async_op=True)
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args, output):
@@ -314,8 +329,10 @@ class FSDPState:
         # its parameters stay unsharded for the backward that follows, as with torch.
         in_backward = torch._C._current_graph_task_id() != -1
         self.ctx.streams.hold_from_here()  # this block's releases: [Note: streams and events]
-        for g in self.groups:
-            g.post_forward(self.ctx.post_forward_order, reshard=not in_backward)
+        if self.groups:
+            with tr.trace(tr.POST_FORWARD, self.fqn):
+                for g in self.groups:
+                    g.post_forward(self.ctx.post_forward_order, reshard=not in_backward)
         self._hook_pre_backward(output)
         self.training_state = TrainingState.IDLE
         if self.ctx.iter_forward_root is self:
@@ -330,8 +347,10 @@ class FSDPState:
             if state is self or not state.modules_to_run:
                 continue
             state.modules_to_run.clear()
-            for g in state.groups:
-                g.post_forward(self.ctx.post_forward_order)
+            if state.groups:
+                with tr.trace(tr.POST_FORWARD, state.fqn):
+                    for g in state.groups:
+                        g.post_forward(self.ctx.post_forward_order)
             state._hook_pre_backward(output)
             state.training_state = TrainingState.IDLE
 
@@ -358,13 +377,15 @@ class FSDPState:
         if dtype is None or not self.mp_policy.cast_forward_inputs:
             return args, kwargs
         cast = functools.partial(_cast, dtype)
-        return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
+        with tr.trace(tr.CAST_FORWARD_INPUTS):
+            return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
 
     def _cast_output(self, output):
         dtype = self.mp_policy.output_dtype
         if dtype is None:
             return output
-        return _apply_to_tensors(functools.partial(_cast, dtype), output)
+        with tr.trace(tr.CAST_FORWARD_OUTPUTS):
+            return _apply_to_tensors(functools.partial(_cast, dtype), output)
 
     def _wait_post_optim(self) -> None:
         """The iteration's first all-gathers read the shards the optimizer wrote on the
@@ -401,16 +422,23 @@ class FSDPState:
             if ctx.manual_active is None:
                 ctx.manual_active = ctx.manual_finalization
             Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
-        for g in self.groups:
-            g.pre_backward()
+        # torch's order and nesting: the implicit prefetch inside the pre-backward range, the
+        # explicit one (`set_modules_to_backward_prefetch`) after it.
+        with tr.trace(tr.PRE_BACKWARD, self.fqn) if self.groups else tr.NO_RANGE:
+            for g in self.groups:
+                g.pre_backward()
+            if self.backward_prefetch is None:
+                self._prefetch_in_backward(self._implicit_backward_prefetch())
         if self.backward_prefetch is not None:
-            targets = [tg for st in self.backward_prefetch for tg in reversed(st.groups)]
-        else:
-            targets = self._implicit_backward_prefetch()
+            self._prefetch_in_backward(
+                [tg for st in self.backward_prefetch for tg in reversed(st.groups)])
+        return grad
+
+    def _prefetch_in_backward(self, targets: list[ParamGroup]) -> None:
         for g in targets:
             if g.unshard_in_backward:
-                g.unshard(async_op=True)
-        return grad
+                with tr.trace_label(tr.prefetch_label, "backward", g.fqn):
+                    g.unshard(async_op=True)
 
     def _implicit_backward_prefetch(self) -> list[ParamGroup]:
         """The group that ran before this state's in this iteration's forward."""
@@ -431,6 +459,10 @@ class FSDPState:
 
     @torch.compiler.disable
     def _root_post_backward_final_callback(self) -> None:
+        with tr.trace(tr.ROOT_POST_BACKWARD_CALLBACK):
+            self._end_backward()
+
+    def _end_backward(self) -> None:
         ctx = self.ctx
         ctx.iter_forward_root = None
         manual = bool(ctx.manual_active)
@@ -466,12 +498,13 @@ class FSDPState:
         """`FSDPModule.finalize_backward` on the root ([Note: manual backward finalization]):
         reduce what backwards left (following the groups' current gradient-sync settings) and
         reshard, in reverse module order; with `wait`, also end the iteration."""
-        ctx = self.ctx
-        for state in reversed(ctx.all_states):
-            for g in reversed(state.groups):
-                g.post_backward(ctx)  # an IDLE group: reduces its pending gradients, reshards
-        if wait:
-            self.end_iteration()
+        with tr.trace(tr.FINALIZE_BACKWARD):
+            ctx = self.ctx
+            for state in reversed(ctx.all_states):
+                for g in reversed(state.groups):
+                    g.post_backward(ctx)  # an IDLE group: reduces its pending gradients, reshards
+            if wait:
+                self.end_iteration()
 
     def end_iteration(self) -> None:
         """Wait for every reduction, bind the gradients, return everything to IDLE."""
