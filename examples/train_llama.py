@@ -112,6 +112,10 @@ def parse_args():
     args = p.parse_args()
     if args.keep < 1:
         p.error("--keep must be at least 1")
+    if args.ckpt and os.path.isfile(os.path.join(args.ckpt, ".metadata")):
+        p.error(f"--ckpt {args.ckpt} holds one checkpoint in the old layout; checkpoints now "
+                f"live in {args.ckpt}/step-<N>: move it with `mkdir {args.ckpt}.new && mv "
+                f"{args.ckpt} {args.ckpt}.new/step-<its step> && mv {args.ckpt}.new {args.ckpt}`")
     if args.fp8 != "none" and (args.tp > 1 or args.ep > 1):
         # veragged's fully_shard raises NotImplementedError for block-scaled formats on
         # tensor-parallel DTensors (a TP part's tiles are not the full weight's), which the
@@ -328,11 +332,6 @@ def latest_checkpoint(root, rank):
     rank 0 also removes what unfinished saves and deletions left."""
     found = [None]
     if rank == 0:
-        if os.path.isfile(os.path.join(root, ".metadata")):
-            raise SystemExit(
-                f"{root} holds one checkpoint in the old layout; checkpoints now live in "
-                f"{root}/step-<N>: move it with `mkdir {root}.new && mv {root} "
-                f"{root}.new/step-<its step> && mv {root}.new {root}`")
         steps = complete_steps(root)
         found = [steps[-1] if steps else None]
         if os.path.isdir(root):

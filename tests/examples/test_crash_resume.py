@@ -74,8 +74,13 @@ def test_killed_save_is_ignored_and_the_resume_is_bitwise(tmp_path):
 
 def test_old_single_checkpoint_layout_is_refused(tmp_path):
     """A --ckpt holding one checkpoint directly (the layout before step-<N>) is not trained
-    over: the run stops and says how to move it."""
+    over: the run stops at argument parsing (argparse's exit status 2, before any process group)
+    and says how to move it."""
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / ".metadata").write_bytes(b"")
-    out = _run(tmp_path / "old", ok=False)
-    assert "old layout" in out and "step-<N>" in out, out
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "train_llama.py"), "--ckpt",
+                          str(tmp_path / "old")], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": path})
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "old layout" in out.stderr and "step-<N>" in out.stderr, out.stderr
