@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 examples/train_llama.py            # CPU/gloo, or CUDA/NCCL on GPUs
     torchrun --nproc-per-node 4 examples/train_llama.py --steps 40  # resumes from ./llama_ckpt
+    torchrun --nproc-per-node 4 examples/train_llama.py --ckpt-every 10 --keep 3
     torchrun --nproc-per-node 4 examples/train_llama.py --tp 2      # FSDP x tensor parallelism
     torchrun --nproc-per-node 4 examples/train_llama.py --ep 2      # MoE, FSDP x expert parallel
 
@@ -9,8 +10,25 @@ The text is the source of Python's own `argparse` module, as bytes (vocabulary 2
 sharded with `veragged.fully_shard`; the fused QKV projection gets 8-row blocks (granularity_fn),
 norms stay whole on one rank. `--optim` picks veragged's distributed Muon (default; AdamW for the
 embedding, head and norms), its block-wise 8-bit AdamW, or torch's AdamW. Every `--log-every`
-steps rank 0 prints loss, tokens/s and peak memory; at the end the model and optimizer state are
-saved with torch.distributed.checkpoint, and a later run with more `--steps` loads them and goes on.
+steps rank 0 prints loss, tokens/s and peak memory (`--log-exact` adds the loss's exact bits).
+
+Checkpoints: the model and optimizer state (and the step) are saved with
+torch.distributed.checkpoint every `--ckpt-every` steps and at the end, each into its own
+directory `<--ckpt>/step-<N>`, keeping the newest `--keep`; a later run with more `--steps`
+resumes from the newest complete one and goes on. A save is written into `step-<N>.tmp`; only
+when `dcp.save` has returned on every rank (a barrier) does rank 0 rename it to `step-<N>`
+(atomic), so a `step-<N>` directory is always a whole checkpoint, and a save that did not finish
+(a rank killed during it) is left as `.tmp`, never loaded, and removed by the next run. Older
+checkpoints are renamed to `step-<M>.del` before they are deleted. Batches are a function of the
+step and the rank alone (`batches`), so a resumed run trains on what an uninterrupted one would:
+on the same ranks and split its losses are bitwise those of the uninterrupted run. (An older
+`--ckpt` holding a single checkpoint directly, `<--ckpt>/.metadata`, is refused with the command
+that moves it into the new layout.)
+
+`--pg-timeout S` sets the process group's timeout: a collective that a dead rank never joins
+fails within it on the other ranks (gloo: sooner, when the dead rank's connections close), with
+an error that names the collective and its group, and no checkpoint is completed by a step that
+did not finish on every rank.
 
 `--tp N` splits q, k, v, gate and up by columns and out and down by rows over N ranks
 (`parallelize_module`), FSDP over the other world / N; `--ep N` trains the mixture-of-experts
@@ -30,15 +48,20 @@ element and the all-gathers of the first step. Not with `--tp` or `--ep` (refuse
 """
 
 import argparse
+import datetime
 import math
 import os
+import re
 import resource
+import shutil
+import signal
 import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -63,8 +86,17 @@ def parse_args():
         "--bf16", action="store_true", help="bf16 compute, fp32 reduce and master weights"
     )
     p.add_argument("--tie", action="store_true", help="tie the embedding and output weights")
-    p.add_argument("--ckpt", default="llama_ckpt", help="DCP checkpoint directory ('' to skip)")
+    p.add_argument("--ckpt", default="llama_ckpt",
+                   help="checkpoint root: one DCP checkpoint per saved step in step-<N> ('' to "
+                        "skip); resumes from the newest complete one")
+    p.add_argument("--ckpt-every", type=int, default=0,
+                   help="save every N steps (0: only at the end; the end is always saved)")
+    p.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep (>= 1)")
+    p.add_argument("--pg-timeout", type=float, default=None,
+                   help="process group timeout in seconds (default: torch's)")
     p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--log-exact", action="store_true",
+                   help="add the logged loss's exact value (float.hex) to each log line")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (Llama)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (trains the MoE)")
     p.add_argument("--experts", type=int, default=4, help="experts per MoE layer (with --ep)")
@@ -78,6 +110,12 @@ def parse_args():
                         "embedding, output head and norms are gathered unquantised. Needs "
                         "--tp 1 and --ep 1")
     args = p.parse_args()
+    if args.keep < 1:
+        p.error("--keep must be at least 1")
+    if args.ckpt and os.path.isfile(os.path.join(args.ckpt, ".metadata")):
+        p.error(f"--ckpt {args.ckpt} holds one checkpoint in the old layout; checkpoints now "
+                f"live in {args.ckpt}/step-<N>: move it with `mkdir {args.ckpt}.new && mv "
+                f"{args.ckpt} {args.ckpt}.new/step-<its step> && mv {args.ckpt}.new {args.ckpt}`")
     if args.fp8 != "none" and (args.tp > 1 or args.ep > 1):
         # veragged's fully_shard raises NotImplementedError for block-scaled formats on
         # tensor-parallel DTensors (a TP part's tiles are not the full weight's), which the
@@ -227,6 +265,111 @@ def build_moe(args, device, world, mp, blocks):
     return model, dist.get_rank(), world
 
 
+# Test-only: VERAGGED_EXAMPLE_KILL=<where>:<step>[:<rank>] makes rank <rank> (default 1) SIGKILL
+# itself, as a crashed or preempted rank would die, at global step <step> (1-based, as logged):
+# `save` after writing its part of checkpoint step-<step> but before the save completes,
+# `forward` at the last transformer block's forward, `backward` when the gradient of the first
+# block's output is computed (the last block's backward done). tests/examples use it.
+KILL_WHERE = ("save", "forward", "backward")
+
+
+def kill_hook():
+    spec = os.environ.get("VERAGGED_EXAMPLE_KILL")
+    if not spec:
+        return None
+    where, step, *rank = spec.split(":")
+    if where not in KILL_WHERE:
+        raise SystemExit(f"VERAGGED_EXAMPLE_KILL={spec}: <where> is one of {KILL_WHERE}")
+    if dist.get_rank() != int(rank[0] if rank else 1):
+        return None
+    return where, int(step)
+
+
+def die():
+    print(f"rank {dist.get_rank()}: VERAGGED_EXAMPLE_KILL, SIGKILL", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm_kill(model, kill, current):
+    """Install the forward and backward kills on this rank; `current()` is the step in
+    progress (1-based)."""
+    where, at = kill
+    if where == "forward":
+        model.blocks[-1].register_forward_pre_hook(
+            lambda module, args: die() if current() == at else None)
+    elif where == "backward":
+        def arm(module, args, out):
+            if current() == at and torch.is_grad_enabled():
+                out.register_hook(lambda grad: die())
+        model.blocks[0].register_forward_hook(arm)
+
+
+class KillingWriter(FileSystemWriter):
+    """Test-only (`save:<step>`): writes this rank's part, then dies before the save completes."""
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        written.wait()
+        die()
+
+
+STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def complete_steps(root):
+    """The steps of the complete checkpoints under `root`, ascending: `step-<N>` directories
+    (renamed from `.tmp` only once every rank's save returned) with DCP's metadata."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(
+        int(m[1]) for m in map(STEP_DIR.fullmatch, os.listdir(root))
+        if m and os.path.isfile(os.path.join(root, m[0], ".metadata"))
+    )
+
+
+def latest_checkpoint(root, rank):
+    """The newest complete checkpoint's step (None if none), decided by rank 0 for every rank;
+    rank 0 also removes what unfinished saves and deletions left."""
+    found = [None]
+    if rank == 0:
+        steps = complete_steps(root)
+        found = [steps[-1] if steps else None]
+        if os.path.isdir(root):
+            for name in os.listdir(root):
+                if re.fullmatch(r"step-\d+\.(tmp|del)", name):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
+def save_checkpoint(root, step, model, opt, rank, keep, kill):
+    """Save `step` into `root/step-<step>` (through `.tmp`), then keep the newest `keep`."""
+    tmp, final = os.path.join(root, f"step-{step}.tmp"), os.path.join(root, f"step-{step}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    writer = (KillingWriter if kill == ("save", step) else FileSystemWriter)(tmp)
+    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)},
+             storage_writer=writer)
+    dist.barrier()  # every rank's save returned: the checkpoint is whole
+    if rank == 0:
+        if os.path.isdir(final):  # a save of this step already completed (not by this run)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename is durable
+        finally:
+            os.close(fd)
+        for old in complete_steps(root)[:-keep]:
+            gone = os.path.join(root, f"step-{old}.del")
+            os.replace(os.path.join(root, f"step-{old}"), gone)
+            shutil.rmtree(gone)
+        print(f"saved {final} at step {step}", flush=True)
+
+
 def peak_memory_mb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -238,7 +381,9 @@ def main():
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(
         os.environ.get("LOCAL_WORLD_SIZE", 1)
     )
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    timeout = {} if args.pg_timeout is None else {
+        "timeout": datetime.timedelta(seconds=args.pg_timeout)}
+    dist.init_process_group("nccl" if use_cuda else "gloo", **timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = (
         torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -280,14 +425,21 @@ def main():
     opt = make_optimizer(args, model)
 
     start = 0
-    if args.ckpt and os.path.isdir(args.ckpt):
+    latest = latest_checkpoint(args.ckpt, rank) if args.ckpt else None
+    if latest is not None:
+        path = os.path.join(args.ckpt, f"step-{latest}")
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
-        dcp.load(state, checkpoint_id=args.ckpt)
+        dcp.load(state, checkpoint_id=path)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         start = int(state["step"])
         if rank == 0:
-            print(f"resumed from {args.ckpt} at step {start}", flush=True)
+            print(f"resumed from {path} at step {start}", flush=True)
+
+    kill = kill_hook()
+    step = start
+    if kill:
+        arm_kill(model, kill, lambda: step + 1)
 
     tokens = text_tokens(device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -308,19 +460,14 @@ def main():
             print_quant_stats(model, args.fp8)
         if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
             rate = seen / (time.perf_counter() - t0)
+            exact = f"  exact {loss.item().hex()}" if args.log_exact else ""
             print(
-                f"step {step + 1:5d}  loss {loss.item():.4f}  {rate:9.0f} tokens/s  peak {peak_memory_mb(device):7.1f} MiB",
+                f"step {step + 1:5d}  loss {loss.item():.4f}  {rate:9.0f} tokens/s  peak {peak_memory_mb(device):7.1f} MiB{exact}",
                 flush=True,
             )
-
-    if args.ckpt:
-        model_sd, optim_sd = get_state_dict(model, opt)
-        dcp.save(
-            {"model": model_sd, "optim": optim_sd, "step": torch.tensor(args.steps)},
-            checkpoint_id=args.ckpt,
-        )
-        if rank == 0:
-            print(f"saved {args.ckpt} at step {args.steps}", flush=True)
+        done = step + 1
+        if args.ckpt and (done == args.steps or args.ckpt_every and done % args.ckpt_every == 0):
+            save_checkpoint(args.ckpt, done, model, opt, rank, args.keep, kill)
     # No rank tears its process group down while a peer is still inside a collective (gloo
     # aborts the process when that happens).
     dist.barrier()

@@ -80,7 +80,7 @@ def test_trains_saves_and_resumes(tmp_path):
     first = _run(ckpt, STEPS)
     assert "tokens/s" in first and "MiB" in first
     first_loss = _check_trains(first, STEPS)
-    assert (ckpt / ".metadata").exists()
+    assert (ckpt / f"step-{STEPS}" / ".metadata").exists()  # one directory per saved step
     second = _run(ckpt, STEPS + 2, "--bf16")
     _check_resumes(second, STEPS, STEPS + 2, first_loss)
 

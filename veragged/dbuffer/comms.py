@@ -27,6 +27,13 @@ torch's process-group allocator comms (`ProcessGroupAlloc*`) allocate from the b
 it has an allocator (`supports_tensor_alloc`, e.g. NCCL with multicast) and fall back to
 `torch.empty` elsewhere (gloo); there the default path moves the same data in the same kind of
 memory without the copies, so it is taken instead (`stages`).
+
+[Note: failed collectives]
+The works returned here (and the HSDP all-reduce's) are `NamedWork`s: when waiting fails (a
+peer died, gloo's connection closed or the process group's timeout passed), the error is
+raised again as the same type with the collective and its group in front, e.g.
+`veragged: all_gather on process group 1 ("default_pg", global ranks [0, 1], rank 0 of 2)
+failed: <the backend's error>`, since gloo's own names neither. Nothing else changes.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ import torch.distributed as dist
 
 __all__ = [
     "ProcessGroupAllocAllGather", "ProcessGroupAllocReduceScatter", "SymmMemAllGather",
-    "SymmMemReduceScatter", "all_gather", "allocate", "reduce_scatter", "stage", "stages",
+    "NamedWork", "SymmMemReduceScatter", "all_gather", "allocate", "named", "reduce_scatter",
+    "stage", "stages",
 ]
 
 # torch's own comm classes (None where the installed torch lacks them; 2.11 lacks several).
@@ -55,6 +63,59 @@ except ImportError:
 _PG_ALLOC: tuple[type, ...] = tuple(
     c for c in (ProcessGroupAllocAllGather, ProcessGroupAllocReduceScatter) if c is not None
 )
+
+
+class NamedWork:
+    """A collective's work whose failed `wait` names the collective and its group
+    ([Note: failed collectives]); everything else goes to the work."""
+
+    __slots__ = ("work", "collective", "group")
+
+    def __init__(self, work, collective: str, group: dist.ProcessGroup):
+        self.work, self.collective, self.group = work, collective, group
+
+    def wait(self, *args, **kwargs):
+        try:
+            return self.work.wait(*args, **kwargs)
+        except RuntimeError as err:
+            msg = f"veragged: {self.collective} on {describe(self.group)} failed: {err}"
+            try:
+                named_err = type(err)(msg)
+            except Exception:  # an error type that takes other arguments
+                named_err = RuntimeError(msg)
+            raise named_err from err
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def describe(group: dist.ProcessGroup) -> str:
+    """`process group <name> ("<desc>", global ranks [...], rank r of n)`, as far as known."""
+    parts = []
+    try:
+        desc = group.group_desc
+        if desc and desc != "undefined":
+            parts.append(f'"{desc}"')
+    except Exception:
+        pass
+    try:
+        parts.append(f"global ranks {dist.get_process_group_ranks(group)}")
+    except Exception:
+        pass
+    try:
+        parts.append(f"rank {group.rank()} of {group.size()}")
+    except Exception:
+        pass
+    try:
+        name = group.group_name
+    except Exception:
+        name = "?"
+    return f"process group {name} ({', '.join(parts)})"
+
+
+def named(work, collective: str, group: dist.ProcessGroup):
+    """`work` (None stays None) as a `NamedWork`."""
+    return None if work is None else NamedWork(work, collective, group)
 
 
 def stages(comm, device: torch.device) -> bool:
@@ -107,14 +168,15 @@ def all_gather(comm, out: torch.Tensor, source: torch.Tensor, group: dist.Proces
     `out` is its staging buffer: this rank's slot is filled from `source` unless it is that slot.
     """
     if comm is None:
-        return dist.all_gather_into_tensor(
+        return named(dist.all_gather_into_tensor(
             out.view(torch.uint8), source.view(torch.uint8), group=group, async_op=True,
-        )
+        ), "all_gather", group)
     n, j = source.numel(), group.rank()
     mine = out[j * n : (j + 1) * n]
     if mine.data_ptr() != source.data_ptr():
         mine.copy_(source)
-    return comm(output_tensor=out, input_tensor=mine, group=group, async_op=True)
+    return named(comm(output_tensor=out, input_tensor=mine, group=group, async_op=True),
+                 "all_gather", group)
 
 
 def reduce_scatter(comm, out: torch.Tensor, source: torch.Tensor, group: dist.ProcessGroup,
@@ -127,10 +189,12 @@ def reduce_scatter(comm, out: torch.Tensor, source: torch.Tensor, group: dist.Pr
         if comm is not None:
             raise ValueError(f"reduce_scatter: {type(comm).__name__} takes equal slots only")
         slots = [source[a:b] for a, b in zip(starts, starts[1:])]
-        return dist.reduce_scatter(out, slots, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    if comm is None:
-        return dist.reduce_scatter_tensor(
+        work = dist.reduce_scatter(out, slots, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    elif comm is None:
+        work = dist.reduce_scatter_tensor(
             out, source, op=dist.ReduceOp.SUM, group=group, async_op=True
         )
-    return comm(output_tensor=out, input_tensor=source, group=group, op=dist.ReduceOp.SUM,
-                async_op=True)
+    else:
+        work = comm(output_tensor=out, input_tensor=source, group=group, op=dist.ReduceOp.SUM,
+                    async_op=True)
+    return named(work, "reduce_scatter", group)

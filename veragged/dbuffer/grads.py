@@ -530,8 +530,10 @@ class Gradients:
             for d in replica_dims:
                 rt.completed(handle, ar)  # after the reduce-scatter, or the previous dim's
                 with rt.use(ar):
-                    work = dist.all_reduce(reduced, op=dist.ReduceOp.SUM,
-                                           group=buf.mesh.get_group(d), async_op=True)
+                    group = buf.mesh.get_group(d)
+                    work = comms.named(dist.all_reduce(reduced, op=dist.ReduceOp.SUM,
+                                                       group=group, async_op=True),
+                                       "all_reduce", group)
                     rt.launch("all_reduce", reads=(rkey,), writes=(rkey,))
                     handle = rt.launched(work)
         rt.completed(handle)
