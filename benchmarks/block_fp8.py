@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 import time
 
@@ -48,6 +47,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import veragged
 from veragged.quant import Packing
 from veragged.tools.write_counter import WriteCounter
+from benchmarks._meta import commit_id
 from benchmarks.fsdp_step import add_device_argument, device_mesh, rank_runner
 
 FORMATS = {"block128": veragged.BlockFP8(), "block128_ue8m0": veragged.BlockFP8(scale="ue8m0"),
@@ -248,8 +248,7 @@ def main(argv=None) -> int:
     for (m, f) in dict.fromkeys((r["model"], r["format"]) for r in scale):
         vals = [r["bytes_per_weight_elem"] for r in scale if (r["model"], r["format"]) == (m, f)]
         print(f"{m:<11} {f:<9} " + " ".join(f"{v:>8.5f}" for v in vals))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = commit_id()
     print(json.dumps(dict(benchmark="block_fp8", date=datetime.date.today().isoformat(),
                           commit=commit, torch=torch.__version__, device=args.device, dim=args.dim, ffn=args.ffn,
                           rows=results, model_scale=scale)))

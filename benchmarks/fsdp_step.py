@@ -53,7 +53,6 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -73,6 +72,7 @@ from tests.harness.device import backend_for
 from veragged.models.llama import Llama, LlamaConfig, RMSNorm, muon_param_groups
 from tests.harness.multiprocess import run_on_ranks
 from tests.harness.pool import get_pool
+from benchmarks._meta import commit_id
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trace_overlap  # noqa: E402  (NCCL time hidden behind compute, GPU runs)
@@ -296,17 +296,6 @@ def _merge(per_rank: list[dict]) -> dict:
     return r
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
-        return out + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _ratio(a, b):
     return a / b if b else (float("nan") if a else 1.0)
 
@@ -409,7 +398,7 @@ def main(argv=None):
     print(json.dumps({
         "benchmark": "fsdp_step",
         "date": datetime.date.today().isoformat(),
-        "commit": _commit(),
+        "commit": commit_id(),
         "torch": torch.__version__,
         "world_size": args.world,
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(0),

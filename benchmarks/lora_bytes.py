@@ -59,7 +59,6 @@ import argparse
 import datetime
 import json
 import pathlib
-import subprocess
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root: tests.harness
@@ -75,6 +74,7 @@ import veragged
 from veragged.tools.write_counter import WriteCounter
 from veragged.models.llama import Llama, LlamaConfig
 from tests.harness.pool import get_pool
+from benchmarks._meta import commit_id
 
 BATCH, SEQ, VOCAB = 2, 32, 256
 SCENARIOS = ("lora", "lora_all_grads", "unfreeze_after", "freeze_after")
@@ -246,17 +246,6 @@ def _ratio(a, b):
     return a / b if b else (float("nan") if a else 1.0)
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
-        return out + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="2,4", help="comma list of gloo rank counts (2,4)")
@@ -333,7 +322,7 @@ def main(argv=None) -> int:
     print(json.dumps({
         "benchmark": "lora_bytes",
         "date": datetime.date.today().isoformat(),
-        "commit": _commit(),
+        "commit": commit_id(),
         "torch": torch.__version__,
         "spec": spec,
         "warmup": warmup,

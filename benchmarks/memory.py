@@ -39,7 +39,6 @@ import itertools
 import json
 import multiprocessing
 import pathlib
-import subprocess
 import sys
 import warnings
 
@@ -52,6 +51,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tests.harness.pool import get_pool
 from veragged.tools.memory import MODELS, estimate, make_optimizer, shard_model, tracked_step
+from benchmarks._meta import commit_id
 
 VOCAB, BATCH, SEQ = 256, 2, 32
 SIDES = ("torch", "veragged")
@@ -146,17 +146,6 @@ def _row(label: str, r: dict, fmt) -> str:
             + f" {fmt(ph['forward']):>7} {fmt(ph['backward']):>7} {fmt(ph['optimizer']):>7}")
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
-        return out + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _estimate_job(q, model, world, impl, seq):
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -236,7 +225,7 @@ def main(argv=None) -> int:
                     print(_row(f"{world:5d} {model:18} {side:8}", row[side], _gib) + ratio,
                           file=out)
     print(json.dumps({"benchmark": "memory", "date": datetime.date.today().isoformat(),
-                      "commit": _commit(), "torch": torch.__version__, "rows": rows,
+                      "commit": commit_id(), "torch": torch.__version__, "rows": rows,
                       "fake_rows": fake_rows}))
     return 0
 
