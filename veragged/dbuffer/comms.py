@@ -27,13 +27,6 @@ torch's process-group allocator comms (`ProcessGroupAlloc*`) allocate from the b
 it has an allocator (`supports_tensor_alloc`, e.g. NCCL with multicast) and fall back to
 `torch.empty` elsewhere (gloo); there the default path moves the same data in the same kind of
 memory without the copies, so it is taken instead (`stages`).
-
-[Note: failed collectives]
-The works returned here (and the HSDP all-reduce's) are `NamedWork`s: when waiting fails (a
-peer died, gloo's connection closed or the process group's timeout passed), the error is
-raised again as the same type with the collective and its group in front, e.g.
-`veragged: all_gather on process group 1 ("default_pg", global ranks [0, 1], rank 0 of 2)
-failed: <the backend's error>`, since gloo's own names neither. Nothing else changes.
 """
 
 from __future__ import annotations
@@ -41,10 +34,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from veragged.runtime.works import named  # re-exported: [Note: failed collectives]
+
 __all__ = [
     "ProcessGroupAllocAllGather", "ProcessGroupAllocReduceScatter", "SymmMemAllGather",
-    "NamedWork", "SymmMemReduceScatter", "all_gather", "allocate", "named", "reduce_scatter",
-    "stage", "stages",
+    "SymmMemReduceScatter", "all_gather", "allocate", "named", "reduce_scatter", "stage",
+    "stages",
 ]
 
 # torch's own comm classes (None where the installed torch lacks them; 2.11 lacks several).
@@ -63,59 +58,6 @@ except ImportError:
 _PG_ALLOC: tuple[type, ...] = tuple(
     c for c in (ProcessGroupAllocAllGather, ProcessGroupAllocReduceScatter) if c is not None
 )
-
-
-class NamedWork:
-    """A collective's work whose failed `wait` names the collective and its group
-    ([Note: failed collectives]); everything else goes to the work."""
-
-    __slots__ = ("work", "collective", "group")
-
-    def __init__(self, work, collective: str, group: dist.ProcessGroup):
-        self.work, self.collective, self.group = work, collective, group
-
-    def wait(self, *args, **kwargs):
-        try:
-            return self.work.wait(*args, **kwargs)
-        except RuntimeError as err:
-            msg = f"veragged: {self.collective} on {describe(self.group)} failed: {err}"
-            try:
-                named_err = type(err)(msg)
-            except Exception:  # an error type that takes other arguments
-                named_err = RuntimeError(msg)
-            raise named_err from err
-
-    def __getattr__(self, name):
-        return getattr(self.work, name)
-
-
-def describe(group: dist.ProcessGroup) -> str:
-    """`process group <name> ("<desc>", global ranks [...], rank r of n)`, as far as known."""
-    parts = []
-    try:
-        desc = group.group_desc
-        if desc and desc != "undefined":
-            parts.append(f'"{desc}"')
-    except Exception:
-        pass
-    try:
-        parts.append(f"global ranks {dist.get_process_group_ranks(group)}")
-    except Exception:
-        pass
-    try:
-        parts.append(f"rank {group.rank()} of {group.size()}")
-    except Exception:
-        pass
-    try:
-        name = group.group_name
-    except Exception:
-        name = "?"
-    return f"process group {name} ({', '.join(parts)})"
-
-
-def named(work, collective: str, group: dist.ProcessGroup):
-    """`work` (None stays None) as a `NamedWork`."""
-    return None if work is None else NamedWork(work, collective, group)
 
 
 def stages(comm, device: torch.device) -> bool:
