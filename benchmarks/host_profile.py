@@ -382,7 +382,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     result = {"benchmark": "host_profile", "date": datetime.date.today().isoformat(),
-              "commit": fsdp_step._commit(), "torch": torch.__version__}
+              "commit": fsdp_step.commit_id(), "torch": torch.__version__}
     if args.part in ("ops", "both"):
         result["ops"] = per_op(args.n, args.reps, args.rounds)
         if not args.json:

@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         t, v = res["torch"]["phases"][p], res["veragged"]["phases"][p]
         rows.append({"phase": p, "torch": t, "veragged": v})
     result = {"benchmark": "host_work", "date": datetime.date.today().isoformat(),
-              "commit": fsdp_step._commit(), "torch": torch.__version__, "world": args.world,
+              "commit": fsdp_step.commit_id(), "torch": torch.__version__, "world": args.world,
               "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(0),
               "model": args.model, "spec": spec,
               "groups": {k: res[k]["groups"] for k in SIDES},
