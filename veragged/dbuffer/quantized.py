@@ -19,7 +19,7 @@ from veragged.dbuffer.buffer import DBuffer
 from veragged.dbuffer.entries import Entry as _Entry
 from veragged.dbuffer.entries import ragged_placement
 from veragged.planner import plan
-from veragged.quant.formats import QUANTIZABLE_DTYPES, BlockFormat
+from veragged.quant.formats import QUANTIZABLE_DTYPES, RAW, BlockFormat
 from veragged.quant.layout import Packing
 from veragged.quant.ops import dequantize_tiles_, quantize_tiles_
 from veragged.quant.reference import scale_inv
@@ -142,8 +142,13 @@ class QuantDBuffer(DBuffer):
         self._quantized_at = None  # the sharded versions the quantised slot was made from
         self._packed = None  # the gathered bytes, from the launch to the dequantisation
         self._gemm: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # [Note: FP8 compute]
+        fp8 = [i for i, f in enumerate(self._formats) if f is not None and f.compute == "fp8"]
+        owner = weakref.ref(self)
+        for i in fp8:  # presented as BlockScaledWeights ([Note: FP8 compute])
+            self.unsharded_params[i] = BlockScaledWeight(
+                self.unsharded_params[i], self._formats[i], owner, i, self.entries[i].name)
         if shard.is_meta:
-            self.packing = None
+            self.packing, self._fp8_pieces = None, {}
             return params
         p = self.packing = Packing(self.entries, self._formats, self.shard_size, self.world,
                                    self.rank, self.param_dtype, SLOT_ALIGN)
@@ -155,16 +160,14 @@ class QuantDBuffer(DBuffer):
         s = self.stats
         s.slot_bytes, s.gather_bytes, s.rank_bytes = p.slot_bytes, p.gather_bytes, p.rank_bytes
         s.elements = p.elements
+        # Where each compute="fp8" tensor's pieces lie in the gathered bytes, found once:
+        # (first row, rows, data offset, scale offset) per rank holding some of it.
+        self._fp8_pieces = {
+            i: [((off - self.entries[i].start) // cols, rows, d, sc)
+                for fmt, off, rows, cols, _, _, d, sc in p.segments
+                if fmt != RAW and self.entries[i].start <= off < self.entries[i].stop]
+            for i in fp8}
         return params
-
-    def _unsharded_param(self, e):
-        """compute="fp8" tensors are presented as `BlockScaledWeight`s ([Note: FP8 compute])."""
-        view = super()._unsharded_param(e)
-        i = next(j for j, x in enumerate(self.entries) if x is e)
-        f = self._formats[i]
-        if f is None or f.compute != "fp8":
-            return view
-        return BlockScaledWeight(view, f, weakref.ref(self), i, e.name)
 
     # --- FP8 compute operands ([Note: FP8 compute]) --------------------------------------------
 
@@ -179,10 +182,7 @@ class QuantDBuffer(DBuffer):
         dev = packed.device
         data = torch.empty(R, C, dtype=torch.uint8, device=dev)
         scales = torch.zeros(Rt, -(-Ct // 4) * 4, dtype=torch.float32, device=dev)
-        for fmt, off, rows, cols, _, _, d, sc in self.packing.segments:
-            if fmt == 0 or not e.start <= off < e.stop:
-                continue
-            r0 = (off - e.start) // C
+        for r0, rows, d, sc in self._fp8_pieces[i]:
             data[r0 : r0 + rows].copy_(packed[d : d + rows * C].view(rows, C))
             t0, n = r0 // tr, -(-rows // tr)
             raw = packed[sc : sc + n * Ct * sb]
@@ -248,8 +248,7 @@ class QuantDBuffer(DBuffer):
             with torch.no_grad(), tr.trace(tr.DEQUANTIZE, self.trace_fqn):
                 dequantize_tiles_(self._unsharded, packed, self._dqtable,
                                   self.packing.dequantize_tiles)
-                self._gemm = {i: self._unpack(packed, i) for i, f in enumerate(self._formats)
-                              if f is not None and f.compute == "fp8"}
+                self._gemm = {i: self._unpack(packed, i) for i in self._fp8_pieces}
             self.rt.release(self.key("packed"), packed, self._unsharded_stream, "drop")
         super()._finish_gather()
 
