@@ -35,14 +35,20 @@ __device__ __forceinline__ WarpTile locate(const int64_t* table, int64_t n_rows,
   return {t, k, b, b.c1 - b.c0, (b.r1 - b.r0) * (b.c1 - b.c0)};
 }
 
-template <typename src_t, typename param_t>
-__global__ void quantize_kernel(uint8_t* packed, const src_t* src, const int64_t* table,
-                                int64_t n_rows, int64_t tiles) {
+// Runs `body(tile, lane)` for every tile of the table, one warp per tile, grid-stride.
+template <typename Body>
+__device__ __forceinline__ void for_each_warp_tile(const int64_t* table, int64_t n_rows,
+                                                   int64_t tiles, Body body) {
   const int lane = threadIdx.x & 31;
   const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
   const int64_t n_warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
-  for (int64_t tile = warp; tile < tiles; tile += n_warps) {
-    const WarpTile wt = locate(table, n_rows, tile);
+  for (int64_t tile = warp; tile < tiles; tile += n_warps) body(locate(table, n_rows, tile), lane);
+}
+
+template <typename src_t, typename param_t>
+__global__ void quantize_kernel(uint8_t* packed, const src_t* src, const int64_t* table,
+                                int64_t n_rows, int64_t tiles) {
+  for_each_warp_tile(table, n_rows, tiles, [&](const WarpTile& wt, int lane) {
     const int64_t* t = wt.t;
     const int64_t k = wt.k, f = t[kFormat], w = wt.width, n = wt.n, cols = t[kCols];
     const TileBox b = wt.b;
@@ -50,7 +56,7 @@ __global__ void quantize_kernel(uint8_t* packed, const src_t* src, const int64_t
     if (f == kRaw) {
       param_t* out = reinterpret_cast<param_t*>(packed + t[kDataOff]);
       for (int64_t c = b.c0 + lane; c < b.c1; c += 32) out[c] = static_cast<param_t>(in[c]);
-      continue;
+      return;
     }
     float amax = 0.0f;
     for (int64_t i = lane; i < n; i += 32) {
@@ -67,17 +73,13 @@ __global__ void quantize_kernel(uint8_t* packed, const src_t* src, const int64_t
       data[r * cols + c] =
           quantize_value(static_cast<float>(static_cast<param_t>(in[r * cols + c])), s.mul);
     }
-  }
+  });
 }
 
 template <typename param_t>
 __global__ void dequantize_kernel(param_t* dst, const uint8_t* packed, const int64_t* table,
                                   int64_t n_rows, int64_t tiles) {
-  const int lane = threadIdx.x & 31;
-  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
-  const int64_t n_warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
-  for (int64_t tile = warp; tile < tiles; tile += n_warps) {
-    const WarpTile wt = locate(table, n_rows, tile);
+  for_each_warp_tile(table, n_rows, tiles, [&](const WarpTile& wt, int lane) {
     const int64_t* t = wt.t;
     const int64_t k = wt.k, f = t[kFormat], w = wt.width, n = wt.n, cols = t[kCols];
     const TileBox b = wt.b;
@@ -85,7 +87,7 @@ __global__ void dequantize_kernel(param_t* dst, const uint8_t* packed, const int
     if (f == kRaw) {
       const param_t* in = reinterpret_cast<const param_t*>(packed + t[kDataOff]);
       for (int64_t c = b.c0 + lane; c < b.c1; c += 32) out[c] = in[c];
-      continue;
+      return;
     }
     const float inv = stored_scale_inv(f, packed + t[kScaleOff] + k * tile_scale_bytes(f));
     const uint8_t* data = packed + t[kDataOff];
@@ -93,7 +95,7 @@ __global__ void dequantize_kernel(param_t* dst, const uint8_t* packed, const int
       const int64_t r = b.r0 + i / w, c = b.c0 + i % w;
       out[r * cols + c] = static_cast<param_t>(dequantize_value(data[r * cols + c], inv));
     }
-  }
+  });
 }
 
 int grid_for(int64_t tiles) {
