@@ -19,6 +19,13 @@ Part 2, one process under FakeTensorMode and a fake process group (`veragged.too
 estimate`): the presets of `veragged.tools.memory.MODELS` (Llama-3 8B widths, DeepSeek-V3 and
 GPT-OSS MoE layers) at 8, 256 and 1,024 ranks, AdamW, fp32. Nothing is allocated or computed.
 
+A model marked `*` ran with `set_reduce_scatter_unused_params(True)` on both sides
+(`--unused-params on|both`): every trainable parameter gets a gradient, so ours carries no verdict
+flags. Without it, ours holds a few more bytes than the layouts (`verdict_bytes` in the JSON:
+at most the flags of every group's gradient buffer and sharded gradients, [Note: unreached
+parameters]), which torch's step has no counterpart for: it aborts when ranks reach different
+parameters.
+
 Columns (bytes per rank, MiB or GiB; ratio = veragged / torch, below 1 is better):
   peak      the step's peak of live bytes (the largest phase peak);
   param, grad, optim, act, temp   what was live at that peak by MemTracker's kind (parameters,
@@ -50,7 +57,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.harness.pool import get_pool
-from veragged.tools.memory import MODELS, estimate, make_optimizer, shard_model, tracked_step
+from veragged.tools.memory import (MODELS, estimate, make_optimizer, optimizer_shard_kwargs,
+                                    shard_model, tracked_step)
 from benchmarks._meta import commit_id
 
 VOCAB, BATCH, SEQ = 256, 2, 32
@@ -100,12 +108,13 @@ def _worker(case: dict) -> dict:
     for side in case["sides"]:
         def build():
             m = build_model(case["model"], case["dim"], case["layers"])
-            kw = {}
-            if side == "veragged" and case["optimizer"] == "adamw8bit":
-                import veragged.optim
-                kw["granularity_fn"] = veragged.optim.adamw8bit_granularity()
+            kw = optimizer_shard_kwargs(case["optimizer"], side)
             shard_model(m, side, mesh, mp=case["bf16"], reshard_after_forward=case["reshard"],
                         **kw)
+            if case.get("unused"):  # every trainable parameter gets a gradient: no verdicts
+                m.set_reduce_scatter_unused_params(True)
+            if side == "veragged":
+                out["verdict_bytes"] = verdict_bytes(m)
             return m, make_optimizer(case["optimizer"], m)
 
         with warnings.catch_warnings():
@@ -113,6 +122,24 @@ def _worker(case: dict) -> dict:
             out[side] = tracked_step(build, tokens).as_dict()
         dist.barrier()
     return out
+
+
+def verdict_bytes(model: nn.Module) -> int:
+    """The most bytes veragged's verdict flags ([Note: unreached parameters]) can hold at once:
+    every group's flags in its gradient buffer (a slot per rank) and in its sharded gradients.
+    The one thing in our step torch's has no counterpart for (torch aborts when ranks reach
+    different parameters); 0 with `set_reduce_scatter_unused_params(True)`. Read at build time,
+    before the first backward lays the buffers out, so it is the layout made at fully_shard
+    (flags for every trainable tensor)."""
+    total = 0
+    for mod in model.modules():
+        state = getattr(mod, "_veragged_state", None)
+        for g in getattr(state, "groups", None) or ():
+            if g.reduce_scatter_unused_params:
+                continue
+            lay, buf = g.buffer.grads.layout, g.buffer
+            total += lay.flags * (len(lay.sizes) * buf.reduce_dtype.itemsize + buf.dtype.itemsize)
+    return total
 
 
 def part1_cases(args) -> list[dict]:
@@ -124,8 +151,10 @@ def part1_cases(args) -> list[dict]:
         cases += [dict(world=w, model="lora", bf16=False, reshard=True, optimizer="adamw")
                   for w in (2, 4)]
     else:
+        unused = {"off": (False,), "on": (True,), "both": (False, True)}[args.unused_params]
         cases = [dict(world=args.world, model=m, bf16=args.bf16, reshard=True,
-                      optimizer="adamw") for m in args.models.split(",")]
+                      optimizer="adamw", unused=u) for m in args.models.split(",")
+                 for u in unused]
     for c in cases:
         c["dim"], c["layers"] = (args.dim, args.layers)
         c["sides"] = SIDES if c["optimizer"] in TORCH_PEER else ("veragged",)
@@ -172,6 +201,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dim", type=int, default=128, help="part 1 width (128)")
     parser.add_argument("--layers", type=int, default=4, help="part 1 layers (4)")
     parser.add_argument("--bf16", action="store_true", help="part 1 in bf16 (mixed precision)")
+    parser.add_argument("--unused-params", default="off", choices=("off", "on", "both"),
+                        help="part 1: set_reduce_scatter_unused_params(True) on both sides "
+                             "(on), not (off, default) or each (both)")
     parser.add_argument("--fake-models", default="gpt-oss-layers",
                         help="part 2 presets (comma list; 'none' skips part 2)")
     parser.add_argument("--fake-worlds", default="256", help="part 2 world sizes (256)")
@@ -195,12 +227,14 @@ def main(argv=None) -> int:
                                                             get_pool(case["world"], device="cpu"))
         res = pool.run(_worker, case, timeout=1200)[0]
         row = {k: v for k, v in case.items() if k != "sides"}
+        row.setdefault("unused", False)
         row.update(res)
         if "torch" in res:
             row["ratio"] = res["veragged"]["peak"] / res["torch"]["peak"]
         rows.append(row)
-        head = (f"{case['world']:5d} {case['model']:6} {'bf16' if case['bf16'] else 'fp32':5} "
-                f"{str(case['reshard']):7} {case['optimizer']:9}")
+        head = (f"{case['world']:5d} {case['model'] + ('*' if case.get('unused') else ''):6} "
+                f"{'bf16' if case['bf16'] else 'fp32':5} {str(case['reshard']):7} "
+                f"{case['optimizer']:9}")
         for side in SIDES:
             if side in res:
                 ratio = f" {row['ratio']:6.2f}" if side == "veragged" and "ratio" in row else ""

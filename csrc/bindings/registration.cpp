@@ -3,7 +3,7 @@
 // Schemas live here only. Ops with tensor arguments take their kernels from TORCH_LIBRARY_IMPL
 // blocks beside each implementation (CPU: dbuffer/group_ops.cpp, CUDA: dbuffer/cuda/group_ops.cu;
 // optim/adamw8bit.cpp, optim/cuda/adamw8bit.cu; quant/tiles.cpp, quant/cuda/tiles.cu;
-// device-generic: optim/roots.cpp) plus a fake
+// device-generic: optim/roots.cpp, dbuffer/memory.cpp) plus a fake
 // kernel registered in Python (veragged/dbuffer/ops.py, veragged/optim/kernels.py,
 // veragged/optim/kronecker.py); host-side ops with no tensor arguments bind their single kernel
 // with the schema.
@@ -36,6 +36,10 @@ TORCH_LIBRARY(veragged, m) {
       "interval_overlaps(int[] src_bounds, int[] dst_bounds, int rank) "
       "-> (int[] send, int[] recv)",
       &veragged::interval_overlaps_op);
+  // A DBuffer's flat allocations: 256-byte aligned, exactly the bytes asked for
+  // ([Note: aligned buffers]; kernel: dbuffer/memory.cpp, fake: veragged/dbuffer/ops.py).
+  m.def("aligned_empty(int numel, ScalarType dtype, Device device, bool pin_memory=False) "
+        "-> Tensor");
   // DBuffer group ops: one launch over a group's flat buffer ([Note: DBuffer group ops]).
   m.def("cast_scale_(Tensor(a!) dst, Tensor src, float alpha=1.0) -> ()");
   m.def("accumulate_(Tensor(a!) dst, Tensor src, float alpha=1.0) -> ()");

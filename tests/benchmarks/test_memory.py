@@ -16,31 +16,44 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1",
 
 
 @pytest.fixture(scope="module")
-def llama_row():
+def llama_rows():
+    """{unused: row}: the llama at 2 ranks, with verdict flags (False, the default) and with
+    `set_reduce_scatter_unused_params(True)` on both sides (True)."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--json", "--models", "llama",
-           "--fake-models", "none"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=ENV)
+           "--unused-params", "both", "--fake-models", "none"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=ENV)
     assert out.returncode == 0, out.stdout + out.stderr
-    (row,) = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
-    return row
+    rows = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
+    return {r["unused"]: r for r in rows}
 
 
-def test_both_sides_measured_by_kind_and_phase(llama_row):
-    for side in ("torch", "veragged"):
-        r = llama_row[side]
-        assert r["peak"] == max(r["phases"].values()) > 0
-        assert r["by_kind"]["param"] > 0 and r["by_kind"]["optim"] > 0
+def test_both_sides_measured_by_kind_and_phase(llama_rows):
+    for row in llama_rows.values():
+        for side in ("torch", "veragged"):
+            r = row[side]
+            assert r["peak"] == max(r["phases"].values()) > 0
+            assert r["by_kind"]["param"] > 0 and r["by_kind"]["optim"] > 0
         # the same AdamW states on both sides (fp32 exp_avg and exp_avg_sq of the shard)
-    assert llama_row["veragged"]["by_kind"]["optim"] == llama_row["torch"]["by_kind"]["optim"]
+        assert row["veragged"]["by_kind"]["optim"] == row["torch"]["by_kind"]["optim"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 41 target not met yet: veragged's peak is 1.21x torch's on this llama at 2 ranks "
-    "(2026-12-07): in backward it holds three unsharded groups at once and each group's "
-    "gradient landing buffer until the next reduce-scatter, and keeps the sharded gradient "
-    "buffer through zero_grad; see docs/benchmarks.md, Memory"))
-def test_peak_not_above_torch(llama_row):
-    assert llama_row["ratio"] <= 1.0, llama_row["ratio"]
+def test_peak_not_above_torch(llama_rows):
+    """Ours never peaks above torch's fully_shard ([Note: backward memory order], [Note:
+    sharded gradient lifetime], [Note: aligned buffers]). The one allowance is the verdict
+    flags (a few bytes per group, [Note: unreached parameters]), which torch's step has no
+    counterpart for; without them (every trainable parameter reduced) there is none."""
+    plain = llama_rows[True]
+    assert plain["verdict_bytes"] == 0
+    assert plain["veragged"]["peak"] <= plain["torch"]["peak"], plain["ratio"]
+    flagged = llama_rows[False]
+    assert 0 < flagged["verdict_bytes"] < 1e-4 * flagged["torch"]["peak"]
+    assert flagged["veragged"]["peak"] <= flagged["torch"]["peak"] + flagged["verdict_bytes"], (
+        flagged["veragged"]["peak"] - flagged["torch"]["peak"], flagged["verdict_bytes"])
+    # Where torch's step keeps more than it needs, ours keeps less: the sharded gradients die
+    # at zero_grad on both sides, and forward holds no gradient buffer.
+    for row in llama_rows.values():
+        assert row["veragged"]["phase_kinds"]["forward"]["grad"] == 0
+        assert row["veragged"]["phases"]["forward"] <= row["torch"]["phases"]["forward"]
 
 
 _ESTIMATE = r"""

@@ -209,8 +209,9 @@ def _compacted():
         # frozen again, with its .grad bound: it keeps the values in memory of its own
         kept = buf.params[1].grad.full_tensor()
         buf.grads.set_layout(mask, flags=False)
+        own = buf.params[1].grad._local_tensor  # (no memory at all where it has no element)
         res["kept"] = torch.equal(buf.params[1].grad.full_tensor(), kept) and (
-            buf.params[1].grad._local_tensor.untyped_storage().data_ptr()
+            own.numel() == 0 or own.untyped_storage().data_ptr()
             != buf.grads.shard_grad.untyped_storage().data_ptr())
         res["others_moved"] = all(
             torch.allclose(buf.params[i].grad.full_tensor(), mean_grad(i, tensors[i][1]))

@@ -65,22 +65,22 @@ FSDP::pre_backward (layers.1)
   FSDP::all_gather_copy_out (layers.1)
   FSDP::backward_prefetch for layers.0
     FSDP::all_gather (layers.0)
-veragged::land_grads (layers.1)
-FSDP::post_backward_reduce (layers.1)
 FSDP::post_backward_reshard (layers.1)
+FSDP::post_backward_reduce (layers.1)
+  veragged::land_grads (layers.1)
 FSDP::pre_backward (layers.0)
   FSDP::all_gather_copy_out (layers.0)
 FSDP::root_post_backward_callback
-  veragged::land_grads
+  FSDP::post_backward_reshard
   FSDP::post_backward_rs_wait ()
     veragged::finish_reduce (layers.1)
   FSDP::post_backward_reduce
-  FSDP::post_backward_reshard
-  veragged::land_grads (layers.0)
+    veragged::land_grads
+  FSDP::post_backward_reshard (layers.0)
   FSDP::post_backward_rs_wait (layers.0)
     veragged::finish_reduce
   FSDP::post_backward_reduce (layers.0)
-  FSDP::post_backward_reshard (layers.0)
+    veragged::land_grads (layers.0)
   veragged::finish_reduce (layers.0)
 """
 

@@ -241,13 +241,14 @@ def _breakage(broken: str) -> list:
             return orig(self, async_op)
         return [mock.patch.object(ParamGroup, "unshard", unshard)]
     if broken == "sync_reduce":  # the compute stream waits for each reduce-scatter at once
-        orig = ParamGroup._launch_reduce
+        orig = ParamGroup.post_backward
 
-        def launch(self, ctx):
+        def post_backward(self, ctx):
             orig(self, ctx)
-            ctx.reducing.remove(self)
-            self.finish_reduce()
-        return [mock.patch.object(ParamGroup, "_launch_reduce", launch)]
+            if self in ctx.reducing:
+                ctx.reducing.remove(self)
+                self.finish_reduce()
+        return [mock.patch.object(ParamGroup, "post_backward", post_backward)]
     raise ValueError(broken)
 
 

@@ -34,11 +34,22 @@ backward issues every group's reduce-scatter and copy without a host sync per gr
 deferral runs on the CPU (with a plain copy and no event), where tests/fsdp/test_cpu_offload.py
 and the happens-before loop with offload exercise it. Outside backward (an explicit reduction)
 the copy is synchronous.
+
+[Note: sharded gradient lifetime]
+The sharded `.grad`s are views of one buffer per group (`_shard_grad`). Gradients holds that
+buffer only while it has something to write into it or bind from it (a reduction in flight, an
+offloaded landing, verdicts still to read); after that only the `.grad` views keep it alive. So
+`zero_grad()` (set_to_none) frees it, as it frees torch's reduce-scatter outputs, instead of the
+buffer living through forward into the next backward; the next reduction allocates a new one
+(on the reduce-scatter stream, ordered after the current stream's earlier work as torch's
+output is). `set_to_none=False` and gradient accumulation across steps keep the views, and so
+the buffer and its sums. A `.grad` the user replaced is not a view and does not count.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -80,13 +91,33 @@ class Gradients:
         self.flat: torch.Tensor | None = None  # the gradient buffer (reduce dtype, P slots)
         self._landed: list[bool] = []  # per tensor: whether its range holds a gradient
         self._land_scale = 1.0  # what landing gradients are multiplied by
-        self._zero: torch.Tensor | None = None  # the +0.0 each first landing adds
-        self._shard_grad: torch.Tensor | None = None  # the sharded gradients' buffer
+        self._zero: torch.Tensor | None = None  # the +0.0 `land_one`'s first write adds
+        # The sharded gradients' buffer (`_shard_grad`): held until the gradients it carries
+        # are bound, then only through them ([Note: sharded gradient lifetime]).
+        self._shard_hold: torch.Tensor | None = None
+        self._shard_ref: weakref.ref | None = None
         self._partial: torch.Tensor | None = None  # HSDP sum awaiting its all-reduce
         self._flag_index: torch.Tensor | None = None  # the flags' positions, made when needed
         self._reduce: InFlightReduce | None = None
         self._pending: PendingVerdicts | None = None
         self._landing: OffloadedLanding | None = None
+
+    @property
+    def _shard_grad(self) -> torch.Tensor | None:
+        if self._shard_hold is not None:
+            return self._shard_hold
+        return None if self._shard_ref is None else self._shard_ref()
+
+    @_shard_grad.setter
+    def _shard_grad(self, t: torch.Tensor | None) -> None:
+        self._shard_hold = t
+        self._shard_ref = None if t is None else weakref.ref(t)
+
+    def _let_go(self) -> None:
+        """Hold the sharded gradients' buffer only through the `.grad`s bound to it, once no
+        gradient waits to be written into it or bound ([Note: sharded gradient lifetime])."""
+        if self._pending is None and self._landing is None:
+            self._shard_hold = None
 
     def reset(self) -> None:
         """(Re)make the gradient buffer, freed, in the DBuffer's reduce dtype on its compute
@@ -116,6 +147,7 @@ class Gradients:
             if had:
                 with torch._C.DisableTorchFunctionSubclass():
                     p.grad = buf.sharded_view(e, self._shard_grad, local)
+        self._let_go()
 
     def _relayout(self, mask: Sequence[bool] | None, flags: bool) -> None:
         buf = self._buf
@@ -150,6 +182,7 @@ class Gradients:
         self._reduce = None
         self._pending = None
         self._partial = None
+        self._let_go()
 
     # --- landing -----------------------------------------------------------------------------
 
@@ -161,8 +194,6 @@ class Gradients:
         buf.rt.alloc(buf.key("grads"), self.flat)
         self._landed = [False] * len(buf.entries)
         self._land_scale = scale
-        if self._zero is None:  # the +0.0 each landing adds, made once
-            self._zero = torch.zeros((), dtype=self.flat.dtype, device=self.flat.device)
 
     def zero(self) -> None:
         """Allocate and zero the gradient buffer (one launch): every tensor counts as landed,
@@ -239,6 +270,8 @@ class Gradients:
                 for view, g in parts:
                     view.add_(g, alpha=self._land_scale)
             else:  # +0.0 + x is never -0.0: see [Note: unreached parameters]
+                if self._zero is None:  # the +0.0 torch's add starts from, made once
+                    self._zero = torch.zeros((), dtype=G.dtype, device=G.device)
                 for view, g in parts:
                     torch.add(self._zero, g, alpha=self._land_scale, out=view)
                 self._landed[i] = True
@@ -297,6 +330,7 @@ class Gradients:
                 else:  # no room any more: the gradient keeps its values in its own memory
                     a, b = old.local[i]
                     p.grad = buf.sharded_view(e, old_shard[a:b].clone(), (0, b - a))
+            self._let_go()
 
     # --- sharded gradients -------------------------------------------------------------------
 
@@ -455,9 +489,9 @@ class Gradients:
         and input: (output, input, the output if it is a temporary to release after use)."""
         buf = self._buf
         if direct:  # the reduce-scatter writes the sharded gradients
-            if self._shard_grad is None:
-                self._shard_grad = self._new_shard_grad()
-            return self._shard_grad, source, None
+            sg = self._shard_grad
+            self._shard_grad = sg = self._new_shard_grad() if sg is None else sg  # held
+            return sg, source, None
         if buf.world == 1:
             return source, source, None
         if comm is not None:  # staged in the comm's buffers, flags included
@@ -561,8 +595,8 @@ class Gradients:
             arriving = start_copy_to_host(reduced[:S])
         elif reduced.device != buf.device:  # offloaded, outside backward: here and now
             reduced = reduced[:S].to(buf.device)
-        if self._shard_grad is None:
-            self._shard_grad = self._new_shard_grad()
+        sg = self._shard_grad
+        self._shard_grad = self._new_shard_grad() if sg is None else sg  # held until bound
         # Sharded gradients that are not this buffer's views start again from zero (in the
         # accumulating pass below): every tensor that may be bound now or after its verdict.
         fresh = [lay.local[i] for i, (p, b) in enumerate(zip(buf.params, bind))
@@ -592,6 +626,7 @@ class Gradients:
         if (asked or land_later) and not defer:
             late = self.resolve()
             now = [a or b for a, b in zip(now, late)]
+        self._let_go()
         return [a or b for a, b in zip(done, now)]
 
     def _release_reduced(self, temp: torch.Tensor | None) -> None:
@@ -624,10 +659,12 @@ class Gradients:
                 written[i] = True
         pending, self._pending = self._pending, None
         if pending is None:
+            self._let_go()
             return written
         reached = pending.reached.wait().tolist()
         chosen = [i for i, j in pending.asked if reached[j]]
         self._bind_grads(chosen, pending.accumulate)
         for i in chosen:
             written[i] = True
+        self._let_go()
         return written

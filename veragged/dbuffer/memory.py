@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+
+import veragged.dbuffer.ops  # noqa: F401  (the fake kernel of veragged::aligned_empty)
 from veragged.runtime.streams import alloc_storage, free_storage  # re-exported
 
 __all__ = ["ALIGN_BYTES", "aligned_empty", "free_storage", "alloc_storage", "same_storage"]
@@ -15,14 +17,18 @@ ALIGN_BYTES = 256
 def aligned_empty(numel: int, dtype: torch.dtype, device: torch.device,
                   pin_memory: bool = False) -> torch.Tensor:
     """A 1-D tensor of `numel` elements whose first element is 256-byte aligned (in pinned host
-    memory if `pin_memory`: the host side of CPU offload)."""
-    item = torch.empty((), dtype=dtype).element_size()
-    extra = ALIGN_BYTES // item
-    raw = torch.empty(numel + extra, dtype=dtype, device=device, pin_memory=pin_memory)
-    if raw.is_meta or is_fake(raw):  # no address to align (FakeTensorMode memory estimates)
-        return raw[:numel]
-    skip = (-raw.data_ptr() % ALIGN_BYTES) // item
-    return raw[skip : skip + numel]
+    memory if `pin_memory`: the host side of CPU offload), taking exactly their bytes.
+
+    [Note: aligned buffers]
+    A DBuffer's flat allocations (the shard, the sharded gradients) start on 256 bytes, so a
+    tensor planned at an aligned offset starts aligned (the owner engine then uses it in place:
+    `optim/engine.py aligned_input`), and hold exactly the planned bytes: no allocation pays
+    for its own alignment, which torch's fully_shard would not either (memory.py measures both).
+    `veragged::aligned_empty` (csrc/dbuffer/memory.cpp) takes host memory from a 256-byte
+    aligned allocator and device or pinned memory from torch's caching allocators, whose blocks
+    are aligned already; under FakeTensorMode (memory estimates) it is `numel` elements."""
+    return torch.ops.veragged.aligned_empty(int(numel), dtype, torch.device(device),
+                                            bool(pin_memory))
 
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

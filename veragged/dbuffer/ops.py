@@ -31,6 +31,14 @@ def _both(dst: torch.Tensor, src: torch.Tensor) -> bool:
     )
 
 
+@torch.library.register_fake("veragged::aligned_empty")
+def _aligned_empty_fake(numel, dtype, device, pin_memory=False):
+    # Exactly `numel` elements: what a device's caching allocator gives (its blocks are aligned).
+    if numel < 0:
+        raise ValueError(f"aligned_empty: numel must be >= 0, got {numel}")
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
 @torch.library.register_fake("veragged::cast_scale_")
 def _cast_scale_fake(dst, src, alpha=1.0):
     _check_pair("cast_scale_", dst, src)

@@ -3,6 +3,18 @@
 A `fully_shard` call makes one `ParamGroup` per DBuffer it builds (one per mesh, dtype and
 requires_grad, and apart for chunked and all-gather-extension parameters: `api.py _bucket`);
 its `FSDPState` (`state.py`) drives them through [Note: fully_shard lifecycle].
+
+[Note: backward memory order]
+A group's backward holds, at most, what torch's FSDP2 holds at the same point. Pre-backward
+unshards and lays the gradient buffer out but allocates nothing for gradients. Post-backward
+then goes in torch's order: take the gradients off the unsharded parameters, reshard (the
+unsharded parameters go), finish the oldest reduce-scatter if `max_reducing` are in flight
+(`StateContext.before_reduce`: its gradient buffer goes), and only then allocate this group's
+gradient buffer, land the gradients in it and launch its reduce-scatter. So the root's buffer,
+whose post-backward runs last, does not live through the whole backward, and a group's
+buffer never sits beside its own unsharded parameters or the buffer of a reduction that had to
+finish first. The sharded gradients it writes live as long as the `.grad`s do ([Note: sharded
+gradient lifetime], grads.py).
 """
 
 from __future__ import annotations
@@ -249,9 +261,11 @@ class ParamGroup:
     # --- backward ----------------------------------------------------------------------------
 
     def pre_backward(self) -> None:
-        """Unshard and make the gradient buffer ready: the post-backward lands the gradients
-        autograd stored on the unsharded parameters in it ([Note: gradient landing]); which
-        ones it found is which parameters this rank's backward reached."""
+        """Unshard and lay the gradient buffer out for what requires grad now: the
+        post-backward lands the gradients autograd stored on the unsharded parameters in it
+        ([Note: gradient landing]); which ones it found is which parameters this rank's
+        backward reached. The buffer itself is allocated at the post-backward, as torch's
+        reduce-scatter input is ([Note: backward memory order])."""
         if self.training_state == TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
@@ -262,10 +276,11 @@ class ParamGroup:
         self._prepare_grads()
 
     def _prepare_grads(self) -> None:
-        """The gradient buffer, laid out for what requires grad now, allocated unless it holds
-        gradients still to be reduced."""
+        """Lay the gradient buffer out for what requires grad now and mark this group's
+        gradients live (reduced at its post-backward, or kept without gradient sync); gradients
+        kept from no-sync backwards stay."""
         # A module run more than once in forward has one backward per run: the reduce-scatter
-        # of an earlier one still reads the gradient buffer this one is about to zero.
+        # of an earlier one still reads the gradient buffer this one is about to fill.
         self.finish_reduce()
         # Gradient room for what requires grad now ([Note: compacted gradients]); verdict flags
         # unless every trainable parameter gets a gradient ([Note: unreached parameters]).
@@ -274,28 +289,29 @@ class ParamGroup:
         if self._grads_live and grads.allocated:  # keep what accumulated (no-sync)
             room = [a or b for a, b in zip(room, grads.mask)]
         grads.set_layout(room, flags=not self.reduce_scatter_unused_params)
-        if not self._grads_live or not grads.allocated:
-            # Scaled as they land when that is exact, unless an all-reduce hook must see sums.
-            scale = grads.landing_scale(self.gradient_divide_factor,
-                                        allowed=self.all_reduce_hook is None)
-            grads.alloc(scale)
-            self._grads_live = True
+        self._grads_live = True
 
-    def _land(self) -> None:
-        """Land the gradients autograd stored on the unsharded parameters, in one launch
-        ([Note: gradient landing]), and note which parameters they reached."""
-        found = [(i, u.grad) for i, u in enumerate(self.unsharded) if u.grad is not None]
-        if not found:
-            return
-        if not self._grads_live or not self.buffer.grads.allocated:
-            self._prepare_grads()  # a group whose pre-backward did not run (torch reduces it)
-        grads = []
-        for i, g in found:
-            self.unsharded[i].grad = None
+    def _alloc_grads(self) -> None:
+        """Allocate the gradient buffer unless it holds gradients (no-sync): scaled as they
+        land when that is exact, unless an all-reduce hook must see sums."""
+        grads = self.buffer.grads
+        if not grads.allocated:
+            grads.alloc(grads.landing_scale(self.gradient_divide_factor,
+                                            allowed=self.all_reduce_hook is None))
+
+    def _take_grads(self) -> list[tuple[int, torch.Tensor]]:
+        """The gradients autograd stored on the unsharded parameters (made local to this
+        rank's TP shard), taken off them; notes which parameters they reached."""
+        found = []
+        for i, u in enumerate(self.unsharded):
+            g = u.grad
+            if g is None:
+                continue
+            u.grad = None
             view = self.views[i]
-            grads.append((i, g if view is None else view.local_grad(g)))
+            found.append((i, g if view is None else view.local_grad(g)))
             self._has_grad[i] = True
-        self.buffer.grads.land(grads)
+        return found
 
     def post_backward(self, ctx) -> None:
         """Reduce this backward's gradients (or keep them, without gradient sync) and reshard.
@@ -305,35 +321,50 @@ class ParamGroup:
         never reached: gradients an earlier no-sync backward left are then reduced, and
         parameters unsharded since forward are resharded. The reduce-scatter always covers the
         whole buffer, so it is the same collective on every rank whatever each rank's data
-        reached ([Note: fully_shard lifecycle]).
+        reached ([Note: fully_shard lifecycle]). The order is torch's, so the gradient buffer
+        never lives beside this group's unsharded parameters or the buffer of the reduction
+        before the last one allowed in flight ([Note: backward memory order]).
         """
         state = self.training_state
         if state == TrainingState.POST_BACKWARD:
             return
         self.training_state = TrainingState.POST_BACKWARD
         self._computed()
-        self._land()
-        if self._grads_live and self.reduce_grads:  # else no-sync: they stay and accumulate
-            self._launch_reduce(ctx)
+        found = self._take_grads()
         with tr.trace(tr.POST_BACKWARD_RESHARD, self.fqn):
             if self.reshard_after_backward and self.is_unsharded:  # a prefetch stays in flight
                 self.reshard()
+        if found and not self._grads_live:
+            self._prepare_grads()  # a group whose pre-backward did not run (torch reduces it)
+        if self._grads_live and self.reduce_grads:
+            ctx.before_reduce(self)  # FSDP::post_backward_rs_wait when it finishes one
+            with tr.trace(tr.POST_BACKWARD_REDUCE, self.fqn):  # torch's copy-in is inside too
+                self._land(found)
+                self._launch_reduce()
+        else:  # no-sync: they stay in the buffer and add up
+            self._land(found)
 
-    def _launch_reduce(self, ctx) -> None:
-        ctx.before_reduce(self)  # FSDP::post_backward_rs_wait when it finishes one
+    def _land(self, found: list[tuple[int, torch.Tensor]]) -> None:
+        """Land `found` in the gradient buffer, allocated now if it holds none yet
+        ([Note: gradient landing])."""
+        if found:
+            self._alloc_grads()
+            self.buffer.grads.land(found)
+
+    def _launch_reduce(self) -> None:
+        self._alloc_grads()  # no gradient landed on this rank: zeros (and verdicts) all the same
         trainable = [p.requires_grad and m for p, m in zip(self.sharded, self.buffer.grads.mask)]
         if self.reduce_scatter_unused_params:  # every trainable parameter gets a gradient
             unreached = None
         else:  # those no rank reached keep None: [Note: unreached parameters]
             unreached = [t and not h for h, t in zip(self._has_grad, trainable)]
-        with tr.trace(tr.POST_BACKWARD_REDUCE, self.fqn):
-            self.buffer.grads.reduce(
-                accumulate=True,
-                divide_factor=self.gradient_divide_factor,
-                all_reduce=self.all_reduce_grads,
-                unreached=unreached,
-                async_op=True,
-            )
+        self.buffer.grads.reduce(
+            accumulate=True,
+            divide_factor=self.gradient_divide_factor,
+            all_reduce=self.all_reduce_grads,
+            unreached=unreached,
+            async_op=True,
+        )
         self._bind = trainable  # frozen parameters never get a gradient
         self._has_grad = [False] * len(self.sharded)
         self._grads_live = False

@@ -27,7 +27,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from veragged.optim.blocks import absmax_layout
 from veragged.optim.common import GradPresence, check_grad_agreement, local, local_grads
-from veragged.optim.kernels import adamw8bit_multi_step_, dynamic_map
+from veragged.optim.kernels import adamw8bit_multi_step_, dynamic_map, zero_code
 from veragged.placement.api import from_local
 from veragged.placement.layout import ragged_mesh_dim
 
@@ -160,7 +160,7 @@ class AdamW8bit(torch.optim.Optimizer):
             return state
         bs = group["block_size"]
         layout = absmax_layout(p, bs, name)
-        zs, zu = (int((q == 0).nonzero()[0, 0]) for q in self._maps(loc.device))
+        zs, zu = zero_code(True), zero_code(False)
         blocks = math.ceil(loc.numel() / bs)
         for key, zero in (("exp_avg", zs), ("exp_avg_sq", zu)):
             codes = torch.full(loc.shape, zero, dtype=torch.uint8, device=loc.device)

@@ -8,10 +8,11 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from veragged.runtime import caches
 
-__all__ = ["adamw8bit_multi_step_", "dynamic_map"]
+__all__ = ["adamw8bit_multi_step_", "dynamic_map", "zero_code"]
 
 QMAP_SIZE = 256
 
@@ -23,6 +24,13 @@ def _dynamic_map_cpu(signed: bool) -> torch.Tensor:
     # create_dynamic_map(signed, max_exponent_bits=7, total_bits=8): for each decade
     # 10^-6 .. 10^0, the midpoints of an even split of [0.1, 1] (1, 2, 4, ... 64 of them signed,
     # twice as many unsigned), scaled by the decade in fp32; mirrored when signed; plus 0 and 1.
+    # Constants, made with real tensors even under FakeTensorMode (memory estimates), where the
+    # optimizer's states are then fake copies of them.
+    with unset_fake_temporarily():
+        return _build_map(signed)
+
+
+def _build_map(signed: bool) -> torch.Tensor:
     values = [0.0, 1.0]
     for i in range(7):
         count = 2**i if signed else 2 ** (i + 1)
@@ -42,6 +50,14 @@ def dynamic_map(signed: bool, device: torch.device | str | None = None) -> torch
     Same values as bitsandbytes' `create_dynamic_map(signed, 7, 8)`. A fresh tensor each call.
     """
     return _dynamic_map_cpu(bool(signed)).to(device=device, copy=True)
+
+
+@caches.register_function("optim.kernels zero codes")
+@functools.lru_cache(maxsize=None)
+def zero_code(signed: bool) -> int:
+    """The code of 0.0 in `dynamic_map(signed)`: what a zero moment is stored as."""
+    with unset_fake_temporarily():
+        return int((_dynamic_map_cpu(bool(signed)) == 0).nonzero()[0, 0])
 
 
 _NAMES = ("params", "grads", "m_codes", "v_codes", "m_absmax", "v_absmax")

@@ -26,6 +26,11 @@ MemTracker rounds each storage to 512 bytes; under FakeTensorMode the device is 
 rounding), communication library buffers (NCCL), and the CUDA context. Preset models (`MODELS`)
 are the example models of `veragged.models` at published sizes; their MoE routes tokens evenly
 over the experts (`BalancedMoE`), as a fake tensor has no values to route by.
+
+What it relies on in torch: MemTracker is a private tool (`torch.distributed._tools`), and
+`tracked_step` starts a new peak mid-step by setting two of its private fields (`_peak_mem`,
+`_peak_mem_snap`, as its `__enter__` does; torch 2.11 to 2.15 name them so). A torch that renames
+them makes `tracked_step` raise, naming them, rather than report a wrong peak.
 """
 
 from __future__ import annotations
@@ -42,8 +47,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["KINDS", "MODELS", "MemoryReport", "estimate", "fits", "main", "shard_model",
-           "tracked_step"]
+__all__ = ["KINDS", "MODELS", "MemoryReport", "estimate", "fits", "main", "make_optimizer",
+           "optimizer_shard_kwargs", "shard_model", "tracked_step"]
 
 # MemTracker's kinds (`_MemRefType` values) under the names this module reports.
 KINDS = {"Parameter": "param", "Buffer": "buffer", "Gradient": "grad", "Activation": "act",
@@ -84,6 +89,11 @@ def _reset_peak(tracker) -> None:
     """Start a new peak from what is live now. MemTracker resets its peak only when entered
     afresh, which would drop its module hooks mid-step, so this sets its peak fields (torch
     2.15's `_peak_mem`, `_peak_mem_snap`) as `__enter__` does."""
+    if not (hasattr(tracker, "_peak_mem") and hasattr(tracker, "_peak_mem_snap")):
+        raise RuntimeError(
+            f"veragged.tools.memory: this torch ({torch.__version__})'s MemTracker has no "
+            "_peak_mem/_peak_mem_snap fields to start a phase's peak from; the tool knows "
+            "torch 2.11 to 2.15's")
     tracker._peak_mem_snap = tracker.get_tracker_snapshot()
     tracker._peak_mem = {dev: s["Total"] for dev, s in tracker._peak_mem_snap.items()}
 
@@ -158,6 +168,15 @@ def shard_model(model: nn.Module, impl: str, mesh, *, mp: bool = False,
         shard(block, **kwargs)
     shard(model, **kwargs)
     return model
+
+
+def optimizer_shard_kwargs(name: str, impl: str = "veragged") -> dict:
+    """What veragged's fully_shard needs for optimizer `name` (`make_optimizer`): AdamW8bit
+    quantises whole 256-element blocks, so its parameters are sharded on block boundaries."""
+    if impl == "veragged" and name == "adamw8bit":
+        import veragged.optim
+        return {"granularity_fn": veragged.optim.adamw8bit_granularity()}
+    return {}
 
 
 def make_optimizer(name: str, model: nn.Module):
@@ -269,7 +288,8 @@ def estimate(model: str | Callable[[], nn.Module], world: int, *, impl: str = "v
     with fake_world(world) as mesh, FakeTensorMode(allow_non_fake_inputs=True):
         def build():
             m = factory()
-            shard_model(m, impl, mesh, mp=mp, reshard_after_forward=reshard_after_forward)
+            shard_model(m, impl, mesh, mp=mp, reshard_after_forward=reshard_after_forward,
+                        **optimizer_shard_kwargs(optimizer, impl))
             return m, make_optimizer(optimizer, m)
 
         v = vocab or _vocab(factory)

@@ -25,8 +25,9 @@ Not counted, on purpose:
   collective's own size is tallied in `collective_bytes` (op -> bytes): per call, the larger of
   its first two arguments (c10d's output and input: the gathered or to-be-scattered buffer for
   an all-gather or a reduce-scatter, the tensor for an all-reduce);
-- allocations (`empty`, `empty_strided`, `new_empty`, `empty_like`, ...) and metadata-only
-  mutations (`set_`, `resize_`, `as_strided_`, `squeeze_`, `t_`, `record_stream`, ...);
+- allocations (`empty`, `empty_strided`, `new_empty`, `empty_like`, `veragged::aligned_empty`,
+  ...) and metadata-only mutations (`set_`, `resize_`, `as_strided_`, `squeeze_`, `t_`,
+  `record_stream`, ...);
 - tensors on the meta device and fake tensors (DTensor's sharding propagation runs ops on fake
   tensors first): they hold no memory;
 - ops on tensor subclasses with their own `__torch_dispatch__` (DTensor, RaggedDTensor): the
@@ -91,8 +92,9 @@ __all__ = ["CopyCounter", "FSDPPaths", "LaunchCounter", "WriteCounter"]
 COLLECTIVE_NAMESPACES = frozenset(
     {"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"}
 )
-ALLOCATIONS = frozenset(
-    "empty empty_strided new_empty new_empty_strided empty_like empty_permuted".split()
+ALLOCATIONS = frozenset(  # (`aligned_empty`: veragged's, [Note: aligned buffers])
+    "empty empty_strided new_empty new_empty_strided empty_like empty_permuted "
+    "aligned_empty".split()
 )
 METADATA_ONLY = frozenset(
     "set_ resize_ resize_as_ as_strided_ squeeze_ unsqueeze_ transpose_ t_ swapdims_ "
