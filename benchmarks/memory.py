@@ -111,7 +111,9 @@ def _worker(case: dict) -> dict:
             kw = optimizer_shard_kwargs(case["optimizer"], side)
             shard_model(m, side, mesh, mp=case["bf16"], reshard_after_forward=case["reshard"],
                         **kw)
-            if case.get("unused"):  # every trainable parameter gets a gradient: no verdicts
+            # Every trainable parameter gets a gradient: no verdicts. torch 2.11's fully_shard has
+            # no such setter; its reduce-scatter is the same when every parameter is reached.
+            if case.get("unused") and hasattr(m, "set_reduce_scatter_unused_params"):
                 m.set_reduce_scatter_unused_params(True)
             if side == "veragged":
                 out["verdict_bytes"] = verdict_bytes(m)

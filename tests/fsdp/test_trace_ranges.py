@@ -159,6 +159,12 @@ def test_step_ranges_in_order_on_each_rank(runtime):
         assert ranges == _tree(EXPECTED), f"rank {rank}:\n{_show(ranges)}"
 
 
+# Ranges older torches open that ours has no phase for: torch 2.11 wraps its per-parameter
+# accumulation of unsharded gradients (`accumulate_unsharded_grad_if_needed`) in one each
+# post-backward, gone by 2.15; ours adds gradients up in the landing ([Note: gradient landing]).
+TORCH_ONLY = {"FSDP::post_backward_accumulate"}
+
+
 def test_torch_named_ranges_are_torchs():
     """Each torch-named range is opened as often as torch's fully_shard opens it in the same
     step; ours only add `veragged::` ranges (and torch-named ones the installed torch lacks)."""
@@ -169,7 +175,8 @@ def test_torch_named_ranges_are_torchs():
         torch_names = collections.Counter(n for _, n in theirs[rank])
         assert torch_names, "torch's fully_shard opened no range"
         mine = collections.Counter(n for _, n in ours[rank] if n.startswith("FSDP::"))
-        differ = {n: (mine[n], c) for n, c in torch_names.items() if mine[n] != c}
+        differ = {n: (mine[n], c) for n, c in torch_names.items()
+                  if mine[n] != c and n.split(" (")[0] not in TORCH_ONLY}
         assert not differ, f"rank {rank}: (ours, torch's) times opened: {differ}"
         assert set(mine) - set(torch_names) <= {"FSDP::post_backward_rs_wait ()",
                                                 "FSDP::post_backward_rs_wait (layers.0)"}

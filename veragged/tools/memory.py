@@ -29,7 +29,10 @@ over the experts (`BalancedMoE`), as a fake tensor has no values to route by.
 
 What it relies on in torch: MemTracker is a private tool (`torch.distributed._tools`), and
 `tracked_step` starts a new peak mid-step by setting two of its private fields (`_peak_mem`,
-`_peak_mem_snap`, as its `__enter__` does; torch 2.11 to 2.15 name them so). A torch that renames
+`_peak_mem_snap`, as its `__enter__` does; torch 2.11 to 2.15 name them so). It also overrides
+MemTracker's `_track_module_params_and_buffers`, whose gradient hooks raise on a frozen
+parameter, to hook only trainable ones (through `_param_to_grad_hook_handles` and
+`_update_and_maybe_create_winfos`, as torch's own). A torch that renames
 them makes `tracked_step` raise, naming them, rather than report a wrong peak.
 """
 
@@ -98,6 +101,31 @@ def _reset_peak(tracker) -> None:
     tracker._peak_mem = {dev: s["Total"] for dev, s in tracker._peak_mem_snap.items()}
 
 
+def _make_tracker():
+    """torch's MemTracker, except that it installs gradient hooks only on parameters that
+    require a gradient: torch's registers them on every parameter a module's forward sees, and
+    `register_hook` raises on a frozen one (LoRA's base weights)."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class Tracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            frozen = any(not p.requires_grad for p in module.parameters())
+            out = super()._track_module_params_and_buffers(
+                module, install_grad_hooks=install_grad_hooks and not frozen)
+            if install_grad_hooks and frozen:  # torch's hooks, on the trainable ones only
+                def hook(grad):
+                    self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+                for p in module.parameters():
+                    if p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
+                        self._param_to_grad_hook_handles[p] = (
+                            p.register_hook(hook),
+                            p.register_post_accumulate_grad_hook(lambda q: hook(q.grad)))
+            return out
+
+    return Tracker()
+
+
 def tracked_step(build: Callable[[], tuple[nn.Module, object]], batch: torch.Tensor,
                  loss_fn: Callable | None = None, warmup: int = 1,
                  clip: float | None = 1.0) -> MemoryReport:
@@ -105,10 +133,8 @@ def tracked_step(build: Callable[[], tuple[nn.Module, object]], batch: torch.Ten
     report the last of `warmup + 1` steps. A step is `loss_fn(model, batch)` (default
     `model.loss(batch)`), `backward()`, `clip_grad_norm_(clip)` (None: no clipping),
     `opt.step()`, `opt.zero_grad()`."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     loss_fn = loss_fn or (lambda m, b: m.loss(b))
-    tracker = MemTracker()
+    tracker = _make_tracker()
     phases: dict[str, int] = {}
     phase_kinds: dict[str, dict[str, int]] = {}
     with tracker:
