@@ -79,3 +79,35 @@ def test_fake_estimate_at_1024_ranks():
     assert even <= shard <= 1.01 * even, (shard, even)
     assert r["peak"] == max(r["phases"].values()) > shard
     assert r["by_kind"]["act"] + r["by_kind"]["temp"] > 0
+
+
+_ESTIMATE_OPT = r"""
+import json, sys, warnings
+from veragged.models.llama import Llama, LlamaConfig
+from veragged.tools.memory import estimate
+factory = lambda: Llama(LlamaConfig(vocab=256, dim=256, layers=2, heads=4, hidden=512,
+                                    max_seq=64, fused=True))
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    rs = {o: estimate(factory, 8, optimizer=o, batch=1, seq=64).as_dict()
+          for o in ("adamw", sys.argv[1])}
+print(json.dumps({"reports": rs, "warnings": [str(x.message) for x in w]}))
+"""
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw8bit"])
+def test_fake_estimate_with_our_optimizers(optimizer):
+    """Muon and AdamW8bit run under FakeTensorMode too (AdamW8bit's constant quantisation maps
+    are made with real tensors); their states are smaller than AdamW's (Muon: one momentum for
+    the matrices, AdamW's two states for the embedding, head and norms; AdamW8bit: about a
+    quarter, 8-bit codes and block maxima)."""
+    out = subprocess.run([sys.executable, "-c", _ESTIMATE_OPT, optimizer], capture_output=True,
+                         text=True, timeout=280, env=ENV)
+    assert out.returncode == 0, out.stdout + out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not [m for m in res["warnings"] if "data pointer" in m or "data_ptr" in m], res
+    adamw, ours = res["reports"]["adamw"], res["reports"][optimizer]
+    states = {k: r["phase_kinds"]["forward"]["optim"] for k, r in res["reports"].items()}
+    bound = 0.6 if optimizer == "muon" else 0.3
+    assert 0 < states[optimizer] <= bound * states["adamw"], states
+    assert ours["phases"]["optimizer"] > 0 and ours["peak"] == max(ours["phases"].values())
