@@ -53,6 +53,7 @@ __all__ = [
 OP_KINDS: dict = caches.register("placement.ops op kinds", {})
 META = 0
 _no_subclass_function = torch._C.DisableTorchFunctionSubclass
+_TENSOR_GRAD = torch._C.TensorBase.grad  # the C getset descriptor of `Tensor.grad`
 
 
 class _Up:
@@ -188,6 +189,24 @@ class RaggedDTensor(DTensor):
                 spec.mesh, spec.placements, TensorMeta(meta.shape, meta.stride, local.dtype)
             )
         return RaggedDTensor(local, spec, requires_grad=requires_grad)
+
+    # `.grad`, read several times per parameter per step (clipping, optimizers, FSDP), served
+    # without entering `__torch_function__` (torch's DTensor disables it altogether): the
+    # tensor's own slot, read and written as torch's getter and setter do.
+    @property
+    def grad(self):
+        with _no_subclass_function():
+            return _TENSOR_GRAD.__get__(self)
+
+    @grad.setter
+    def grad(self, value):
+        with _no_subclass_function():
+            _TENSOR_GRAD.__set__(self, value)
+
+    @grad.deleter
+    def grad(self):
+        with _no_subclass_function():
+            _TENSOR_GRAD.__delete__(self)
 
     @staticmethod
     def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
