@@ -16,7 +16,8 @@ are the user's code here) in each phase:
 
 The per-phase lists are what a reader walks through to follow that phase. `--write` puts them
 into docs/architecture.md between its `phase-files` markers; `--check` exits 1 when that block
-is not what this run gives (tests/test_phase_files.py runs it, so the list stays true).
+is not what this run gives (tests/test_phase_files.py runs it, so the list stays true);
+`--functions` prints which functions brought each file into each phase.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class FileRecorder:
         self.package = str(pathlib.Path(veragged.__file__).resolve().parent) + "/"
         self.phase: str | None = None
         self.files: dict[str, set[str]] = {p: set() for p in PHASES}
+        # phase -> {(file, function)}: which functions brought each file in (`--functions`)
+        self.functions: dict[str, set[tuple[str, str]]] = {p: set() for p in PHASES}
         self._seen: dict[object, str | None] = {}  # code object -> relative path or None
 
     def __call__(self, frame, event, arg):
@@ -61,6 +64,7 @@ class FileRecorder:
             self._seen[code] = rel
         if rel is not None:
             self.files[self.phase].add(rel)
+            self.functions[self.phase].add((rel, code.co_qualname))
 
     def run(self, phase: str, fn):
         self.phase = phase
@@ -111,20 +115,25 @@ def _job(optimizer: str) -> dict[str, list[str]]:
 
         run(optimizer, step_fn)
     keep = PHASES if optimizer == "adamw" else ("muon",)
-    return {p: sorted(rec.files[p]) for p in keep if p in rec.files}
+    return {p: sorted(rec.functions[p]) for p in keep}
+
+
+def measure_functions() -> dict[str, list[tuple[str, str]]]:
+    """Each phase's (file, function) calls, the union over the ranks."""
+    from tests.harness.pool import get_pool
+
+    pool = get_pool(2, device="cpu")
+    out: dict[str, set[tuple[str, str]]] = {p: set() for p in PHASES}
+    for optimizer in ("adamw", "muon"):
+        for rank_calls in pool.run(_job, optimizer, timeout=300):
+            for p, calls in rank_calls.items():
+                out[p].update(map(tuple, calls))
+    return {p: sorted(out[p]) for p in PHASES}
 
 
 def measure() -> dict[str, list[str]]:
     """Each phase's files, the same on every rank (their union, to be safe)."""
-    from tests.harness.pool import get_pool
-
-    pool = get_pool(2, device="cpu")
-    out: dict[str, set[str]] = {p: set() for p in PHASES}
-    for optimizer in ("adamw", "muon"):
-        for rank_files in pool.run(_job, optimizer, timeout=300):
-            for p, files in rank_files.items():
-                out[p].update(files)
-    return {p: sorted(out[p]) for p in PHASES}
+    return {p: sorted({f for f, _ in calls}) for p, calls in measure_functions().items()}
 
 
 def render(files: dict[str, list[str]]) -> str:
@@ -151,7 +160,18 @@ def main(argv=None) -> int:
     mode.add_argument("--write", action="store_true", help="update docs/architecture.md")
     mode.add_argument("--check", action="store_true",
                       help="exit 1 if docs/architecture.md's list is stale")
+    mode.add_argument("--functions", action="store_true",
+                      help="print, per phase and file, the functions called there")
     args = parser.parse_args(argv)
+    if args.functions:
+        for p, calls in measure_functions().items():
+            print(f"## {p}")
+            by_file: dict[str, list[str]] = {}
+            for f, fn in calls:
+                by_file.setdefault(f, []).append(fn)
+            for f, fns in by_file.items():
+                print(f"  {f}: {', '.join(fns)}")
+        return 0
     block = render(measure())
     text = DOC.read_text()
     current = _current_block(text)

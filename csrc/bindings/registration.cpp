@@ -1,4 +1,4 @@
-// The one TORCH_LIBRARY(veragged, m): every schema of the extension, and the _C module stub.
+// The one TORCH_LIBRARY(veragged, m): every schema of the extension, and the _C module.
 //
 // Schemas live here only. Ops with tensor arguments take their kernels from TORCH_LIBRARY_IMPL
 // blocks beside each implementation (CPU: dbuffer/group_ops.cpp, CUDA: dbuffer/cuda/group_ops.cu;
@@ -12,13 +12,20 @@
 #include <torch/library.h>
 
 #include "bindings/ops.h"
+#include "bindings/tensor_attrs.h"
 
 extern "C" {
-// `import veragged._C` loads this library, which runs the registrations below. The module has
-// no Python API of its own: everything is reached through torch.ops.veragged.
+// `import veragged._C` loads this library, which runs the registrations below. The ops are
+// reached through torch.ops.veragged; the module's own Python API is one descriptor type
+// (bindings/tensor_attrs.cpp).
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+  if (module != nullptr && veragged::add_tensor_attrs(module) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
 }
 }
 

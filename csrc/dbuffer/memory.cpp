@@ -1,6 +1,6 @@
 // `veragged::aligned_empty`: a DBuffer's flat allocations (the shard, the sharded gradients)
 // start on a 256-byte boundary and take exactly the bytes they hold ([Note: aligned buffers]
-// in veragged/dbuffer/memory.py).
+// in veragged/dbuffer/ops.py).
 //
 // Host memory comes from a 256-byte aligned allocator of its own (c10's CPU allocator aligns to
 // 64), as a resizable storage, so `free_storage`/`alloc_storage` (storage resize) work on it as

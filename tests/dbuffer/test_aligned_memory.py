@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
-from veragged.dbuffer.memory import ALIGN_BYTES, aligned_empty, alloc_storage, free_storage
+from veragged.dbuffer.ops import ALIGN_BYTES, aligned_empty
+from veragged.runtime.streams import alloc_storage, free_storage
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.float64])

@@ -3,9 +3,10 @@
 import torch
 import torch.distributed as dist
 
-from veragged.dbuffer.buffer import ALIGN_BYTES, DBuffer
-from veragged.placement.tensor import RaggedDTensor
 from tests.harness import get_mesh, run_on_ranks
+from veragged.dbuffer.buffer import DBuffer
+from veragged.dbuffer.ops import ALIGN_BYTES
+from veragged.placement.tensor import RaggedDTensor
 from veragged.tools.write_counter import CopyCounter
 
 # Element-wise, 16-row blocks, whole-tensor, uneven rows (18 over 4 ranks), a 3-element bias.

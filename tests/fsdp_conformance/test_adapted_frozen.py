@@ -47,7 +47,7 @@ from tests.harness.conformance import (
 
 device_type = torch.device(device_type)
 
-_ALIGN_BYTES = 256  # the per-tensor padding bound (veragged.dbuffer.memory.ALIGN_BYTES)
+_ALIGN_BYTES = 256  # the per-tensor padding bound (veragged.dbuffer.ops.ALIGN_BYTES)
 
 
 class TestAdaptedFrozen(FSDPTest):

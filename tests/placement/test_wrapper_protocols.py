@@ -112,3 +112,83 @@ def test_pickle_and_deepcopy_as_torch_dtensor():
     for res in run_on_ranks(_pickle_and_copy, 2, timeout=120):
         for what, checks in res.items():
             assert all(checks.values()), (what, checks)
+
+
+def _grad_attribute() -> dict:
+    """`.grad` on our DTensor and torch's, side by side: what reading, writing and deleting it
+    do, and that a read of it or of other attributes never enters `__torch_function__`
+    ([Note: tensor attributes without __torch_function__])."""
+    ours, _, theirs = _tensors()
+    out = {}
+    for name, x in (("ours", ours), ("theirs", theirs)):
+        leaf = x.detach().requires_grad_()
+        g = leaf.detach() * 2
+        res = {"unset": leaf.grad is None}
+        leaf.grad = g
+        res["set is read back"] = leaf.grad is g
+        res["wrong shape"] = _outcome(lambda leaf=leaf: setattr(
+            leaf, "grad", torch.zeros(3)))
+        res["still set"] = leaf.grad is g
+        del leaf.grad
+        res["deleted"] = leaf.grad is None
+        leaf.grad = g
+        leaf.grad = None
+        res["set to None"] = leaf.grad is None
+        res["requires_grad"] = (x.requires_grad, leaf.requires_grad)
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            local = leaf.to_local() * 1  # a non-leaf DTensor made from a non-leaf shard
+            nonleaf = type(x).from_local(local, x.device_mesh, x.placements, shape=x.shape,
+                                         stride=x.stride())
+            res["non-leaf"] = nonleaf.grad is None and nonleaf.requires_grad
+        res["non-leaf warnings"] = len([w for w in caught if ".grad" in str(w.message)])
+        leaf.requires_grad = False
+        res["requires_grad set"] = leaf.requires_grad
+        out[name] = res
+    calls = []
+    hook = type(ours).__torch_function__
+
+    class Spy(type(ours)):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            calls.append(func)
+            return hook.__func__(cls, func, types, args, kwargs)
+
+    spied = ours.detach().requires_grad_()
+    spied.grad = ours.detach() * 2
+    spied.__class__ = Spy
+    for _ in range(3):
+        spied.grad, spied.requires_grad, spied.shape, spied.device, spied.dtype
+        spied._post_accumulate_grad_hooks, spied.is_leaf
+    out["torch_function calls for 3 reads"] = len(calls)
+    out["attributes"] = {n: (str(getattr(ours, n)), str(getattr(theirs, n)))
+                         for n in ("shape", "dtype", "device", "is_leaf", "ndim", "layout",
+                                   "itemsize", "nbytes", "is_cpu", "_base")}
+    # A TorchFunctionMode sees the reads, as it sees torch's DTensor's.
+    from torch.overrides import TorchFunctionMode
+
+    class Seen(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    calls.clear()
+    with Seen():
+        ours.grad, theirs.grad, ours.requires_grad, theirs.requires_grad
+    out["mode saw"] = [getattr(f, "__name__", str(f)) for f in calls]
+    return out
+
+
+def test_grad_attribute_as_torch_dtensor():
+    for res in run_on_ranks(_grad_attribute, 2, timeout=120):
+        ours, theirs = res["ours"], res["theirs"]
+        assert ours["wrong shape"][0] == "raises", ours
+        assert ours == theirs, res
+        assert all(v for k, v in ours.items() if isinstance(v, bool) and k != "requires_grad set")
+        assert ours["requires_grad"] == (False, True) and ours["requires_grad set"] is False
+        assert ours["non-leaf warnings"] == 1
+        assert res["torch_function calls for 3 reads"] == 0
+        assert res["mode saw"] == ["__get__"] * 4, res["mode saw"]
+        for name, (a, b) in res["attributes"].items():
+            assert a == b, (name, a, b)

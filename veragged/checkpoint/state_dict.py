@@ -60,7 +60,7 @@ from veragged.checkpoint.full_values import (
     like_index,
     receive_from_rank0,
 )
-from veragged.runtime.device import mesh_device
+from veragged.runtime.streams import mesh_device
 
 __all__ = ["set_model_state_dict", "set_optimizer_state_dict", "set_state_dict"]
 

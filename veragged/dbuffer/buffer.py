@@ -39,18 +39,20 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from veragged.dbuffer import comms, ops
 from veragged.dbuffer.entries import Entry as _Entry
-from veragged.dbuffer.entries import ragged_placement
 from veragged.dbuffer.grads import Gradients
 from veragged.dbuffer.inflight import PostForwardChunk, StagedGather
-from veragged.dbuffer.memory import ALIGN_BYTES, aligned_empty, free_storage, same_storage
 from veragged.placement.api import distribute_tensor
 from veragged.placement.ragged_shard import RaggedShard
 from veragged.placement.redistribute import redistribute
 from veragged.placement.tensor import RaggedDTensor, make_spec
 from veragged.placement.torch_callers import WAYS_OUT
 from veragged.planner import plan
-from veragged.runtime.device import mesh_device
-from veragged.runtime.streams import current_stream_runtime
+from veragged.runtime.streams import (
+    current_stream_runtime,
+    free_storage,
+    mesh_device,
+    same_storage,
+)
 
 if TYPE_CHECKING:
     from veragged.dbuffer.spmd import SpmdParam
@@ -123,6 +125,9 @@ class DBuffer:
             raise ValueError(
                 f"DBuffer tensors must share one dtype, got {sorted(map(str, dtypes))}"
             )
+        # (id(entry), dtype) -> the spec of its sharded views (`sharded_view`); the entries
+        # live as long as the buffer
+        self._view_specs: dict = {}
         # What another buffer of the same kind needs for a subset of these tensors (`config`).
         self._config = dict(shard_dim=shard_dim, block_sizes=block_sizes,
                             param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=offload,
@@ -149,10 +154,10 @@ class DBuffer:
         device = torch.device("meta") if meta else self.home_device
         compute = param_dtype or dtype
         itemsize = min(d.itemsize for d in (dtype, compute, reduce_dtype or compute))
-        S = self.shard_size = self._place(tensors, block_sizes, align=ALIGN_BYTES // itemsize)
+        S = self.shard_size = self._place(tensors, block_sizes, align=ops.ALIGN_BYTES // itemsize)
         # Gradient room for every tensor until told otherwise: [Note: compacted gradients].
         self.grads = Gradients(self, itemsize)
-        shard = aligned_empty(S, dtype, device, pin_memory=self.pin_memory and not meta)
+        shard = ops.aligned_empty(S, dtype, device, pin_memory=self.pin_memory and not meta)
         if not meta:
             shard.zero_()
             with torch.no_grad():
@@ -178,20 +183,21 @@ class DBuffer:
         for (name, t), (start, end), info in zip(tensors, self.layout.ranges, self._spmd):
             counts = [max(0, min(end, (r + 1) * S) - max(start, r * S)) for r in range(self.world)]
             if info is None:
-                stop, placement = end, ragged_placement(t.shape, counts)
+                stop, placement = end, RaggedShard.for_counts(t.shape, counts)
             else:  # the TP block, maybe smaller than planned: [Note: FSDP over TP]
                 stop = start + math.prod(info.local_shape)
-                placement = ragged_placement(info.plan_shape, counts)
+                placement = RaggedShard.for_counts(info.plan_shape, counts)
             b, e = min(max(start, lo), hi), min(max(stop, lo), hi)  # this rank's part, maybe empty
-            self.entries.append(self._entry(name, t, start, end, (b - lo, e - lo), placement,
-                                            info, stop - start))
+            self.entries.append(self._entry(name, t, start, end, stop, (b - lo, e - lo),
+                                            placement, info))
         return S
 
-    def _entry(self, name, t, start, end, local, placement, info, used) -> _Entry:
+    def _entry(self, name, t, start, end, stop, local, placement, info) -> _Entry:
         """The record of tensor `t` at [start, end) (a TP one on the combined mesh)."""
         if info is None:
-            return _Entry(name, t.shape, start, end, local, placement)
-        return _Entry(name, info.shape, start, end, local, placement, spmd=info, used=used,
+            return _Entry(name, t.shape, start, end, stop, local, placement, tuple(t.shape))
+        return _Entry(name, info.shape, start, end, stop, local, placement,
+                      tuple(info.local_shape), spmd=info,
                       placements=info.placements(self._dp_placements(placement)))
 
     def _local_part(self, e: _Entry, t: torch.Tensor) -> torch.Tensor:
@@ -253,7 +259,7 @@ class DBuffer:
                                  and new.storage_offset() == self.shard.storage_offset()):
             return False
         pin = self.pin_memory and new.device.type == "cpu"
-        shard = aligned_empty(self.shard_size, new.dtype, new.device, pin_memory=pin)
+        shard = ops.aligned_empty(self.shard_size, new.dtype, new.device, pin_memory=pin)
         with torch.no_grad():
             shard.copy_(new)
         self._remake(shard)
@@ -389,9 +395,12 @@ class DBuffer:
         """Tensor `e`'s sharded DTensor over `buf` (the shard, or the shard gradient with this
         rank's elements at `local`: [Note: compacted gradients])."""
         a, b = e.local if local is None else local
-        local = buf[a:b]
-        spec = make_spec(self.spec_mesh(e), self.placements(e), e.shape, buf.dtype)
-        return RaggedDTensor(local, spec, requires_grad=False)
+        key = (id(e), buf.dtype)  # made once per tensor and dtype: every backward binds grads
+        spec = self._view_specs.get(key)
+        if spec is None:
+            spec = make_spec(self.spec_mesh(e), self.placements(e), e.shape, buf.dtype)
+            self._view_specs[key] = spec
+        return RaggedDTensor(buf[a:b], spec, requires_grad=False)
 
     def new_sharded_param(self, i: int) -> torch.nn.Parameter:
         """A new sharded parameter object for tensor `i`, over the shard (the one in `params`

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from veragged.runtime.works import named  # re-exported: [Note: failed collectives]
+from veragged.runtime.streams import named  # re-exported: [Note: failed collectives]
 
 __all__ = [
     "ProcessGroupAllocAllGather", "ProcessGroupAllocReduceScatter", "SymmMemAllGather",
@@ -45,13 +45,15 @@ __all__ = [
 # torch's own comm classes (None where the installed torch lacks them; 2.11 lacks several).
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-        ProcessGroupAllocAllGather, ProcessGroupAllocReduceScatter,
+        ProcessGroupAllocAllGather,
+        ProcessGroupAllocReduceScatter,
     )
 except ImportError:
     ProcessGroupAllocAllGather = ProcessGroupAllocReduceScatter = None
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-        SymmMemAllGather, SymmMemReduceScatter,
+        SymmMemAllGather,
+        SymmMemReduceScatter,
     )
 except ImportError:
     SymmMemAllGather = SymmMemReduceScatter = None

@@ -52,12 +52,15 @@ from torch.distributed.tensor.placement_types import Shard
 
 from veragged.dbuffer.buffer import DBuffer
 from veragged.dbuffer.entries import Entry as _Entry
-from veragged.dbuffer.memory import aligned_empty, alloc_storage, free_storage
+from veragged.dbuffer.ops import aligned_empty
 from veragged.placement.tensor import make_spec
+from veragged.runtime.streams import alloc_storage, free_storage
 
-__all__ = ["ExtensionDBuffer", "has_extension"]
+__all__ = ["EXTENSION_ATTRS", "ExtensionDBuffer", "has_extension"]
 
 _RELEASE = "fsdp_should_release_all_gather_outputs_after_post_all_gather"
+# The attributes of torch's all-gather extension protocol a local tensor may define.
+EXTENSION_ATTRS = ("fsdp_pre_all_gather", "fsdp_post_all_gather", _RELEASE)
 
 
 def has_extension(t: torch.Tensor, name: str) -> bool:
@@ -123,7 +126,8 @@ class ExtensionDBuffer(DBuffer):
             mine = max(0, min(rows, (r + 1) * c) - r * c)
             n = c * row
             self.entries.append(_Entry(name, t.shape, P * off, P * (off + n),
-                                       (off, off + mine * row), Shard(0), used=t.numel()))
+                                       P * off + t.numel(), (off, off + mine * row), Shard(0),
+                                       tuple(t.shape)))
             self._padded.append((off, off + n))
             self._rows.append(c)
             self._locals.append(self._given[k] if self._given is not None

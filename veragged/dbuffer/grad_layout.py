@@ -74,13 +74,13 @@ clipping, the optimizers, GradScaler and DCP; tests/stress: the same over many s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
 from veragged.dbuffer.entries import Entry
-from veragged.dbuffer.memory import aligned_empty
+from veragged.dbuffer.ops import aligned_empty
 
 __all__ = ["FLAG_ALIGN_BYTES", "GradLayout", "flag_room", "plan_grad_layout"]
 
@@ -114,25 +114,18 @@ class GradLayout:
     rank_major: bool  # False: one range in the full layout, the flags added in its copy
     world: int
     shard_size: int
-
-    @property
-    def numel(self) -> int:
-        """The gradient buffer's elements."""
-        return self.starts[-1]
-
-    @property
-    def uniform(self) -> bool:
-        """Whether every rank's gradient slot has the same size (the reduce-scatter is then
-        `reduce_scatter_tensor`'s; else the list form, uneven)."""
-        return len(set(self.sizes)) == 1
-
-    def land_ranges(self, i: int) -> Iterator[tuple[int, int, int]]:
-        """Tensor i's pieces in the gradient buffer: (offset in the tensor, offset in the
-        buffer, elements), one per rank slot it crosses ([Note: gradient landing])."""
-        a, starts = 0, self.starts
-        for r, off, k in self.pieces[i]:
-            yield a, starts[r] + off, k
-            a += k
+    # Read by every backward, so made once with the layout:
+    numel: int  # the gradient buffer's elements
+    # whether every rank's gradient slot has the same size (the reduce-scatter is then
+    # `reduce_scatter_tensor`'s; else the list form, uneven)
+    uniform: bool
+    # per tensor, its pieces in the gradient buffer: (offset in the tensor, offset in the
+    # buffer, elements), one per rank slot it crosses ([Note: gradient landing])
+    land: list[list[tuple[int, int, int]]]
+    # `unlanded_ranges` and `flag_values` per argument, filled by `Gradients` as backwards ask
+    # (a backward reaches the same tensors as the last one, mostly)
+    unlanded: dict = field(default_factory=dict)
+    flag_values_of: dict = field(default_factory=dict)
 
     def unlanded_ranges(self, entries: Sequence[Entry],
                         landed: Sequence[bool]) -> list[tuple[int, int]]:
@@ -240,6 +233,14 @@ def plan_grad_layout(entries: Sequence[Entry], *, shard_size: int, world: int, r
     starts = [0] * (W + 1)
     for r in range(W):
         starts[r + 1] = starts[r] + sizes[r] + slot_flags
+    land = []
+    for pieces in slots:
+        a, ranges = 0, []
+        for r, off, k in pieces:
+            ranges.append((a, starts[r] + off, k))
+            a += k
+        land.append(ranges)
     return GradLayout(mask=mask, with_flags=bool(flags), pieces=slots, local=local, flags=F,
                       flag_of=flag_of, sizes=sizes, slot=sizes[rank], starts=starts,
-                      rank_major=rank_major, world=W, shard_size=S)
+                      rank_major=rank_major, world=W, shard_size=S, numel=starts[-1],
+                      uniform=len(set(sizes)) == 1, land=land)

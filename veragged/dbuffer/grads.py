@@ -15,7 +15,7 @@ the SUM gives exactly the bits of dividing after it (short of subnormals), so th
 can write the sharded gradients directly, with no pass of its own. So a parameter's gradient
 costs one write, as FSDP2's copy into its reduce-scatter input does, and no hook of its own.
 Ranges no gradient landed in (frozen and unreached parameters, padding) are zeroed by one launch
-before the buffer is read (`GradLayout.unlanded_ranges`).
+before the buffer is read (`GradLayout.unlanded_ranges`, once per set of landed tensors).
 The gradient buffer is the reduce-scatter's input, rank-major with a slot of `S + F` elements per
 rank: the S gradient elements of rank r's shard, then F verdict flags ([Note: unreached
 parameters]; F = 0 on a mesh of one rank). A parameter that crosses a shard boundary is therefore
@@ -59,10 +59,14 @@ from torch.distributed.tensor import DTensor
 from veragged.dbuffer import comms, ops
 from veragged.dbuffer.grad_layout import FLAG_ALIGN_BYTES, GradLayout, plan_grad_layout
 from veragged.dbuffer.inflight import (
-    InFlightReduce, OffloadedLanding, PendingVerdicts, start_copy_to_host, start_read,
+    InFlightReduce,
+    OffloadedLanding,
+    PendingVerdicts,
+    start_copy_to_host,
+    start_read,
 )
-from veragged.dbuffer.memory import aligned_empty, free_storage, same_storage
 from veragged.runtime import trace as tr
+from veragged.runtime.streams import free_storage, same_storage
 
 if TYPE_CHECKING:
     from veragged.dbuffer.buffer import DBuffer
@@ -246,7 +250,7 @@ class Gradients:
                 continue
             j, add = len(srcs), int(self._landed[i])
             srcs.append(grad.contiguous().view(-1))
-            for a, d, k in self.layout.land_ranges(i):
+            for a, d, k in self.layout.land[i]:
                 pieces += (j, a, d, k, add)
             self._landed[i] = True
         if srcs:
@@ -263,7 +267,7 @@ class Gradients:
         if spmd is not None and not local:  # a DTensor on the TP mesh: [Note: FSDP over TP]
             grad = spmd.local_grad(grad)
         flat, G = grad.reshape(-1), self.flat
-        parts = [(G[d : d + k], flat[a : a + k]) for a, d, k in self.layout.land_ranges(i)]
+        parts = [(G[d : d + k], flat[a : a + k]) for a, d, k in self.layout.land[i]]
         buf.rt.write(buf.key("grads"))
         with torch.no_grad():
             if self._landed[i]:
@@ -278,7 +282,10 @@ class Gradients:
 
     def _zero_unlanded(self) -> None:
         """Zero every range of the gradient buffer no gradient landed in, in one launch."""
-        ranges = self.layout.unlanded_ranges(self._buf.entries, self._landed)
+        lay, landed = self.layout, tuple(self._landed)
+        ranges = lay.unlanded.get(landed)
+        if ranges is None:
+            ranges = lay.unlanded[landed] = lay.unlanded_ranges(self._buf.entries, landed)
         if ranges:
             ops.zero_ranges_(self.flat, ranges)
         self._landed = [True] * len(self._buf.entries)
@@ -348,7 +355,7 @@ class Gradients:
         """The sharded gradients' buffer: Sg elements, then room for the F flags the
         reduce-scatter writes when it writes the sharded gradients directly."""
         buf = self._buf
-        return aligned_empty(self.layout.slot + self.layout.flags, buf.dtype, buf.device,
+        return ops.aligned_empty(self.layout.slot + self.layout.flags, buf.dtype, buf.device,
                              pin_memory=buf.pin_memory)
 
     def _write_shard_grad(self, reduced: torch.Tensor, add: bool, scale, fresh) -> None:
@@ -394,7 +401,11 @@ class Gradients:
         S, F = lay.sizes[0], lay.flags
         if not F:
             return
-        flags = torch.tensor(lay.flag_values(unreached), dtype=source.dtype)
+        key = None if unreached is None else tuple(unreached)
+        values = lay.flag_values_of.get(key)
+        if values is None:
+            values = lay.flag_values_of[key] = lay.flag_values(unreached)
+        flags = torch.tensor(values, dtype=source.dtype)
         if source.device.type != "cpu":
             flags = flags.pin_memory().to(source.device, non_blocking=True)
         if lay.uniform:

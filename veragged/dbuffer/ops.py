@@ -1,4 +1,6 @@
-"""Python side of the DBuffer group ops: fake kernels, so `torch.compile` can trace them.
+"""Python side of the DBuffer ops: the calls the DBuffer makes and their fake kernels, so
+`torch.compile` and FakeTensorMode (memory estimates) can trace them; and the DBuffer's aligned
+allocations (`aligned_empty`, [Note: aligned buffers]).
 
 The kernels are C++ (CPU) and CUDA; see [Note: DBuffer group ops] in csrc/dbuffer/group_ops.h.
 Each op mutates its first argument in place and returns nothing, so its fake kernel only checks
@@ -12,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["accumulate_", "cast_scale_", "land_", "zero_ranges_"]
+__all__ = ["ALIGN_BYTES", "accumulate_", "aligned_empty", "cast_scale_", "land_", "zero_ranges_"]
 
 
 def _check_pair(op: str, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -114,3 +116,24 @@ def land_(dst: torch.Tensor, srcs: Sequence[torch.Tensor], pieces: Sequence[int]
     in one launch (the gradient landing of [Note: gradient landing]); returns `dst`."""
     torch.ops.veragged.land_(dst, list(srcs), [int(x) for x in pieces], alpha)
     return dst
+
+
+ALIGN_BYTES = 256
+
+
+def aligned_empty(numel: int, dtype: torch.dtype, device: torch.device,
+                  pin_memory: bool = False) -> torch.Tensor:
+    """A 1-D tensor of `numel` elements whose first element is 256-byte aligned (in pinned host
+    memory if `pin_memory`: the host side of CPU offload), taking exactly their bytes.
+
+    [Note: aligned buffers]
+    A DBuffer's flat allocations (the shard, the sharded gradients) start on 256 bytes, so a
+    tensor planned at an aligned offset starts aligned (the owner engine then uses it in place:
+    `optim/engine.py aligned_input`), and hold exactly the planned bytes: no allocation pays
+    for its own alignment, which torch's fully_shard would not either (benchmarks/memory.py
+    measures both).
+    `veragged::aligned_empty` (csrc/dbuffer/memory.cpp) takes host memory from a 256-byte
+    aligned allocator and device or pinned memory from torch's caching allocators, whose blocks
+    are aligned already; under FakeTensorMode (memory estimates) it is `numel` elements."""
+    return torch.ops.veragged.aligned_empty(int(numel), dtype, torch.device(device),
+                                            bool(pin_memory))

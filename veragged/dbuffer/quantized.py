@@ -17,7 +17,7 @@ import torch
 from veragged.dbuffer import comms
 from veragged.dbuffer.buffer import DBuffer
 from veragged.dbuffer.entries import Entry as _Entry
-from veragged.dbuffer.entries import ragged_placement
+from veragged.placement.ragged_shard import RaggedShard
 from veragged.planner import plan
 from veragged.quant.formats import QUANTIZABLE_DTYPES, RAW, BlockFormat
 from veragged.quant.layout import Packing
@@ -101,7 +101,7 @@ class QuantDBuffer(DBuffer):
 
     def _place(self, tensors, block_sizes, align: int) -> int:
         """The base plan, with each quantised tensor's tile-row block (and its padded numel when
-        its last tile-row is partial: the padding rows follow it, `Entry.used`)."""
+        its last tile-row is partial: the padding rows follow it, `Entry.stop`)."""
         numels, blocks = [], []
         given = list(block_sizes) if block_sizes is not None else [1] * len(tensors)
         for (name, t), f, g in zip(tensors, self._formats, given):
@@ -127,9 +127,8 @@ class QuantDBuffer(DBuffer):
             counts = [max(0, min(stop, (r + 1) * S) - max(start, r * S))
                       for r in range(self.world)]
             b, e = min(max(start, lo), hi), min(max(stop, lo), hi)
-            self.entries.append(_Entry(name, t.shape, start, end, (b - lo, e - lo),
-                                       ragged_placement(t.shape, counts),
-                                       used=None if stop == end else stop - start))
+            self.entries.append(_Entry(name, t.shape, start, end, stop, (b - lo, e - lo),
+                                       RaggedShard.for_counts(t.shape, counts), tuple(t.shape)))
         return S
 
     def _make_buffers(self, shard: torch.Tensor):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import warnings
 import weakref
 from collections import OrderedDict
@@ -19,16 +21,15 @@ from torch.distributed.tensor import DTensor, Shard
 
 from veragged.dbuffer.buffer import DBuffer
 from veragged.dbuffer.chunked import ChunkedDBuffer
-from veragged.dbuffer.replicated import ReplicatedDBuffer
-from veragged.dbuffer.extension import ExtensionDBuffer, has_extension
+from veragged.dbuffer.extension import EXTENSION_ATTRS, ExtensionDBuffer, has_extension
 from veragged.dbuffer.quantized import QuantDBuffer
+from veragged.dbuffer.replicated import ReplicatedDBuffer
 from veragged.dbuffer.spmd import SpmdParam, spmd_param, tp_block_size
+from veragged.fsdp import log, state_dict
 from veragged.fsdp.dp_mesh import DpMesh, resolve_mesh, resolve_placement, split_param
 from veragged.fsdp.group import ParamGroup
-from veragged.fsdp.log import log_groups, module_name
 from veragged.fsdp.module import FSDPModule, UnshardHandle
 from veragged.fsdp.state import FSDPState
-from veragged.fsdp.state_dict import register_state_dict_hooks
 from veragged.placement.collectives import alive
 from veragged.placement.tensor import RaggedDTensor
 from veragged.runtime import caches
@@ -118,6 +119,14 @@ def _check_module(module: nn.Module) -> None:
         raise ValueError(
             f"{type(module).__name__} was already sharded by torch.distributed.fsdp.fully_shard"
         )
+
+
+def _uses_extension(r: _Param) -> bool:
+    """Whether parameter `r`'s local tensor defines torch's all-gather extension hooks
+    ([Note: all-gather extensions]); most define none of their attributes, and only a tensor
+    that defines some is checked further (both hooks, or `has_extension` raises)."""
+    t = r.inner._local_tensor if isinstance(r.inner, DTensor) else r.inner
+    return any(hasattr(t, a) for a in EXTENSION_ATTRS) and has_extension(t, r.fqn)
 
 
 def _shard_dim(fqn, p, placement: Shard | None, world: int, info=None) -> int | None:
@@ -221,7 +230,8 @@ def fully_shard(
     resolved = _resolve_params(params, shard_placement_fn, call.mesh)
     groups = [_make_group(bucket, call, granularity_fn, quant_fn)
               for bucket in _bucket(resolved)]
-    log_groups(", ".join(module_name(m) for m in call.modules), groups)
+    if log.logger.isEnabledFor(logging.DEBUG):  # the groups' plans (nothing built otherwise)
+        log.log_groups(", ".join(log.module_name(m) for m in call.modules), groups)
     state = FSDPState(call.modules, groups, mp_policy, call.auto)
     if shared:  # raised at the first forward, as torch does (torch's wording leads)
         state.init_error = ValueError(
@@ -352,9 +362,7 @@ def _resolve_params(params, shard_placement_fn, default: DpMesh) -> list[_Param]
                 f"{tuple(p.shape)} and stride {p.stride()}"
             )
         found.append(_Param(fqn, p, locations, placement, dp, inner, view, info, None, False))
-    found = [r._replace(extension=has_extension(
-        r.inner._local_tensor if isinstance(r.inner, DTensor) else r.inner, r.fqn))
-        for r in found]
+    found = [r._replace(extension=_uses_extension(r)) for r in found]
     found = [r._replace(dim=_shard_dim(r.fqn, r.param, r.placement, r.dp.shard_world, r.info))
              for r in found]
     for r in found:
@@ -473,7 +481,12 @@ def _install(modules: tuple[nn.Module, ...], state: FSDPState) -> None:
         # torch's composable registry: tooling that asks "is this module fully sharded?"
         # (`replicate` leaving FSDP parameters to FSDP) gets the answer it gets for torch's.
         m.__dict__.setdefault(REGISTRY_KEY, OrderedDict()).setdefault("fully_shard", RegistryItem())
-        register_state_dict_hooks(m, state)
+        # [Note: fully_shard state dicts] (state_dict.py)
+        m.register_state_dict_pre_hook(functools.partial(state_dict.pre_state_dict, state))
+        m._register_load_state_dict_pre_hook(
+            functools.partial(state_dict.pre_load_state_dict, state, m))
+        m.register_load_state_dict_post_hook(
+            functools.partial(state_dict.post_load_state_dict, state))
         cls = type(m)
         if cls not in _CLASS_CACHE:
             _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),

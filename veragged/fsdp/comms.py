@@ -8,10 +8,12 @@ import torch
 import torch.distributed as dist
 
 from veragged.dbuffer.comms import (
-    ProcessGroupAllocAllGather, ProcessGroupAllocReduceScatter, SymmMemAllGather,
+    ProcessGroupAllocAllGather,
+    ProcessGroupAllocReduceScatter,
+    SymmMemAllGather,
     SymmMemReduceScatter,
 )
-from veragged.runtime.device import mesh_device
+from veragged.runtime.streams import mesh_device
 
 __all__ = [
     "check_symm_mem_buffers", "set_allocate_from_process_group", "set_custom_comm",

@@ -40,22 +40,26 @@ from veragged.fsdp.group import ParamGroup
 if TYPE_CHECKING:
     from veragged.fsdp.state import FSDPState
 
-__all__ = ["register_state_dict_hooks", "take_assigned"]
+__all__ = ["post_load_state_dict", "pre_load_state_dict", "pre_state_dict", "take_assigned"]
 
 
-def register_state_dict_hooks(module: nn.Module, state: FSDPState) -> None:
-    """Hook `module` (one of `state`'s modules) as [Note: fully_shard state dicts] describes."""
-    module.register_state_dict_pre_hook(lambda *a, **k: _reshard(state))
-    module._register_load_state_dict_pre_hook(
-        lambda state_dict, prefix, *a, **k: _before_load(state, module, state_dict, prefix)
-    )
-    module.register_load_state_dict_post_hook(lambda *a, **k: take_assigned(state))
+def pre_state_dict(state: FSDPState, *args, **kwargs) -> None:
+    """`state_dict()`'s pre-hook on each of `state`'s modules (`api._install` registers the
+    three hooks): the sharded parameters registered."""
+    _reshard(state)
 
 
-def _before_load(state: FSDPState, module: nn.Module, state_dict: dict, prefix: str) -> None:
-    """Check what the load brings for the sharded parameters of `module` and its submodules
-    (a DTensor with their placements must be this rank's piece: [Note: torch's entry points
-    without the routing]) before torch takes any of it, then reshard."""
+def post_load_state_dict(state: FSDPState, *args, **kwargs) -> None:
+    """`load_state_dict()`'s post-hook: what the load assigned taken into the buffers."""
+    take_assigned(state)
+
+
+def pre_load_state_dict(state: FSDPState, module: nn.Module, state_dict: dict, prefix: str,
+                        *args, **kwargs) -> None:
+    """`load_state_dict()`'s pre-hook on `module` (one of `state`'s modules): check what the
+    load brings for the sharded parameters of `module` and its submodules (a DTensor with their
+    placements must be this rank's piece: [Note: torch's entry points without the routing])
+    before torch takes any of it, then reshard."""
     names = {id(m): f"{n}." if n else "" for n, m in module.named_modules()}
     for g in state.groups:
         for i, places in enumerate(g.locations):

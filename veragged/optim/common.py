@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from veragged.optim.pieces import domain_group
-from veragged.runtime.device import mesh_device
+from veragged.runtime.streams import mesh_device
 
 __all__ = ["GRAD_AGREEMENTS", "GradPresence", "declare_symmetric_grads", "local", "local_grads"]
 

@@ -46,7 +46,7 @@ from typing import Any, Iterable
 import torch
 from torch.optim import Optimizer
 
-from veragged.dbuffer.memory import ALIGN_BYTES
+from veragged.dbuffer.ops import ALIGN_BYTES
 from veragged.optim.common import GradPresence, check_grad_agreement, local, local_grads
 from veragged.optim.exchange import Exchange, MatrixLayout, matrix_layout
 from veragged.optim.owner_state import OwnerResidence, residence

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from veragged.dbuffer.memory import ALIGN_BYTES
+from veragged.dbuffer.ops import ALIGN_BYTES
 from veragged.optim.pieces import MatrixLayout, matrix_layout, pick
 
 __all__ = ["MatrixLayout", "matrix_layout", "Exchange"]

@@ -11,7 +11,10 @@ most of their cost on small shards. `handle_torch_function` (ops.py) classifies 
 - `per_position`: a `_foreach_*` (not a reduction) or fused optimizer op whose first tensor list
   holds only RaggedDTensors, and whose other tensor lists hold, at each position, a RaggedDTensor
   of that position's layout or a 0-dim plain tensor (Adam's `state_steps`); lone tensor operands
-  are 0-dim plain tensors or 0-dim Replicate DTensors.
+  are 0-dim plain tensors or 0-dim Replicate DTensors;
+- `foreach_norm`: `torch._foreach_norm` of RaggedShard DTensors, clipping's per-parameter norms
+  (this rank's norm of each shard, partial over the sharded mesh dims: [Note: norms on
+  RaggedShard], norms.py).
 They read only `type(x)`, `x._spec` and `x._local_tensor` (no DTensor property that would enter
 `__torch_function__` again), call the op on the local tensors, and wrap outputs under the input
 specs (an output that is an input's local tensor gives back that DTensor). Anything else, and
@@ -22,12 +25,19 @@ raises the errors (layouts, shapes, Partial operands, autograd).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._ops import _math_ops
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
-from veragged.placement.tensor import RaggedDTensor, cached_spec
+from veragged.placement.reduce_parts import check_grad
+from veragged.placement.tensor import RaggedDTensor, as_ragged, cached_spec
+from veragged.runtime import caches
 
-__all__ = ["SLOW", "elementwise", "per_position"]
+__all__ = ["SLOW", "elementwise", "foreach_norm", "per_position"]
 
 SLOW = object()  # "take the general path"; returned before the op has run
 _RAGGED = RaggedDTensor
@@ -230,3 +240,91 @@ def _wrap_list(out, first, specs, locals_):
         else:
             res.append(_wrap(t, s))
     return type(out)(res)
+
+
+# --- clipping's norms ----------------------------------------------------------------------
+
+
+def foreach_norm(tensors, ord=2, dtype=None):
+    """`torch._foreach_norm` of RaggedShard DTensors: per tensor, this rank's norm as a 0-dim
+    DTensor, partial over the sharded mesh dims ([Note: norms on RaggedShard])."""
+    ragged = RaggedDTensor
+    # All RaggedShard: ops.py splits mixed lists.
+    tensors = [t if type(t) is ragged else as_ragged(t) for t in tensors]
+    ord = float(ord)
+    if torch.is_grad_enabled():
+        for t in tensors:
+            check_grad("_foreach_norm", t, dtype or t.dtype.to_real())
+    # A shard with no element (of a tensor with some) holds the reduction's identity; the others
+    # (and tensors with no element anywhere: torch's result or error) take torch's kernel.
+    # Every read below is of the local tensor or the spec: a metadata read of the DTensor itself
+    # (`t.numel()`, `t.device`) would enter its `__torch_function__`, per tensor.
+    locals_ = [t._local_tensor for t in tensors]
+    if all(x.numel() for x in locals_):
+        values = torch._foreach_norm(locals_, ord, dtype=dtype) if locals_ else []
+    else:
+        computed = [i for i, (t, x) in enumerate(zip(tensors, locals_))
+                    if x.numel() or not t._spec.tensor_meta.shape.numel()]
+        some = [locals_[i] for i in computed]
+        norms = dict(zip(computed, torch._foreach_norm(some, ord, dtype=dtype) if some else ()))
+        # The identities: one fill per (dtype, device), unbound into 0-dim views (one launch,
+        # and no copy from host memory, where a device would sync)
+        empty: dict = {}
+        for i, x in enumerate(locals_):
+            if i not in norms:
+                empty.setdefault((dtype or x.dtype.to_real(), x.device), []).append(i)
+        for (dt, device), idx in empty.items():
+            filled = torch.full((len(idx),), math.inf if ord < 0 else 0.0, dtype=dt,
+                                device=device)
+            norms.update(zip(idx, filled.unbind()))
+        values = [norms[i] for i in range(len(tensors))]
+    out = []
+    specs = _NORM_SPECS
+    for t, value in zip(tensors, values):
+        spec = t._spec
+        given, mesh = spec.placements, spec.mesh
+        key = (id(given), id(mesh), ord, value.dtype)
+        entry = specs.get(key)
+        if entry is None or entry[0] is not given or entry[1] is not mesh:
+            if len(specs) > 4096:
+                specs.clear()
+            entry = specs[key] = (given, mesh, _norm_spec(given, mesh, ord, value.dtype))
+        out.append(DTensor(value, entry[2], requires_grad=False))
+    return out
+
+
+# (id(placements), id(mesh), ord, dtype) -> (placements, mesh, the norms' spec): the entry keeps
+# the placements and mesh alive, so their ids are not reused while it is there.
+_NORM_SPECS: dict = caches.register("placement.norms norm specs", {})
+# (output placements, mesh, dtype) -> the one spec of norms with them
+_SHARED_NORM_SPECS: dict = caches.register("placement.norms shared norm specs", {})
+
+
+def _norm_placement(ord: float) -> Placement:
+    """The placement torch's sharding propagation gives the norm of a tensor sharded on a mesh dim,
+    so that our norms stack and reduce with torch's (ord inf/-inf/0: Partial max/min/sum)."""
+    if hasattr(_math_ops, "_get_norm_reduction_op"):
+        return _math_ops.get_placement_from_reduction_op(_math_ops._get_norm_reduction_op(ord))
+    return _math_ops._NormPartial(ord)  # older torch: one placement that reduces every ord
+
+
+def _norm_spec(given: tuple, mesh, ord: float, dtype) -> DTensorSpec:
+    """The spec of `_foreach_norm`'s 0-dim output for an input with placements `given`: partial
+    over the sharded mesh dims, Replicate on the others (what `DTensor.from_local` builds)."""
+    if any(isinstance(p, Partial) for p in given):
+        raise NotImplementedError(
+            f"torch._foreach_norm of a RaggedShard DTensor with Partial placements {given}: "
+            "reduce the Partial mesh dim first"
+        )
+    partial = _norm_placement(ord)
+    placements = tuple(p if isinstance(p, Replicate) else partial for p in given)
+    # One spec object per distinct result: torch.stack of the norms then finds every input's spec
+    # identical to the first by identity, not by a Python `__eq__` per tensor.
+    key = (placements, mesh, dtype)
+    spec = _SHARED_NORM_SPECS.get(key)
+    if spec is None:
+        if len(_SHARED_NORM_SPECS) > 256:
+            _SHARED_NORM_SPECS.clear()
+        spec = _SHARED_NORM_SPECS[key] = DTensorSpec(mesh, placements,
+                                                     TensorMeta(torch.Size(()), (), dtype))
+    return spec

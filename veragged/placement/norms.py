@@ -20,17 +20,17 @@ torch's own argument handling runs on a meta tensor of the global shape, and whe
 vector norm of the whole input (vector norms, 'fro'), that vector norm runs as above; the other
 matrix norms ('nuc', ord=2, ...) need whole matrices and raise.
 
-`torch._foreach_norm` (what `clip_grad_norm_` calls on its foreach path) communicates nothing,
-as torch's does on Shard DTensors: output i is a 0-dim torch DTensor holding this rank's norm of
-tensor i's shard (torch's kernel; a shard with no element holds the identity, inf for ord < 0 and
-0 otherwise), with the placement torch gives a norm over a sharded mesh dim on every
-RaggedShard/Shard mesh dim (torch 2.15: `_NormPartial(ord)`, or Partial max/min/sum for
-inf/-inf/0) and Replicate on Replicate ones (a Partial input raises). So `clip_grad_norm_` stacks
-and reduces them with torch's own DTensor ops and turns the total into Replicate with one
-functional all-reduce per sharded mesh dim, as with torch's FSDP. Unlike the reductions above,
-the outputs are partial: `.full_tensor()` gives the norm of the full tensor, `.to_local()` and
-`.item()` this rank's part (as with torch's Shard DTensors); the all-reduce is torch's, whose
-max/min may drop a NaN on some backends (gloo).
+`torch._foreach_norm` (what `clip_grad_norm_` calls on its foreach path; `fastpath.foreach_norm`,
+beside the other per-parameter ops of a step) communicates nothing, as torch's does on Shard
+DTensors: output i is a 0-dim torch DTensor holding this rank's norm of tensor i's shard (torch's
+kernel; a shard with no element holds the identity, inf for ord < 0 and 0 otherwise), with the
+placement torch gives a norm over a sharded mesh dim on every RaggedShard/Shard mesh dim (torch
+2.15: `_NormPartial(ord)`, or Partial max/min/sum for inf/-inf/0) and Replicate on Replicate ones
+(a Partial input raises). So `clip_grad_norm_` stacks and reduces them with torch's own DTensor ops
+and turns the total into Replicate with one functional all-reduce per sharded mesh dim, as with
+torch's FSDP. Unlike the reductions above, the outputs are partial: `.full_tensor()` gives the norm
+of the full tensor, `.to_local()` and `.item()` this rank's part (as with torch's Shard DTensors);
+the all-reduce is torch's, whose max/min may drop a NaN on some backends (gloo).
 
 Numbers, compared with torch's norm of the full tensor:
 - inf, -inf and 0 are exact (NaN propagates as in torch);
@@ -50,14 +50,9 @@ Autograd does not flow through these ops; with grad mode on, an input that requi
 
 from __future__ import annotations
 
-import math
-
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._ops import _math_ops
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
+from veragged.placement.fastpath import foreach_norm
 from veragged.placement.ragged_dim_reduce import _Record, norm_reduction, reduce_over_dims
 from veragged.placement.reduce_parts import (
     all_reduce,
@@ -69,7 +64,7 @@ from veragged.placement.reduce_parts import (
     result_dtensor,
     split_input,
 )
-from veragged.placement.tensor import RaggedDTensor, as_ragged
+from veragged.placement.tensor import as_ragged
 from veragged.runtime import caches
 
 __all__ = ["NORM_FUNCTIONS", "NORM_PACKETS"]
@@ -126,78 +121,6 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
                             f"torch.linalg.vector_norm(dim={dim})")
 
 
-def _norm_placement(ord: float) -> Placement:
-    """The placement torch's sharding propagation gives the norm of a tensor sharded on a mesh dim,
-    so that our norms stack and reduce with torch's (ord inf/-inf/0: Partial max/min/sum)."""
-    if hasattr(_math_ops, "_get_norm_reduction_op"):
-        return _math_ops.get_placement_from_reduction_op(_math_ops._get_norm_reduction_op(ord))
-    return _math_ops._NormPartial(ord)  # older torch: one placement that reduces every ord
-
-
-def _foreach_norm(tensors, ord=2, dtype=None):
-    """`torch._foreach_norm` of RaggedShard DTensors: per tensor, this rank's norm as a 0-dim
-    DTensor, partial over the sharded mesh dims ([Note: norms on RaggedShard])."""
-    ragged = RaggedDTensor
-    # All RaggedShard: ops.py splits mixed lists.
-    tensors = [t if type(t) is ragged else as_ragged(t) for t in tensors]
-    ord = float(ord)
-    if torch.is_grad_enabled():
-        for t in tensors:
-            check_grad("_foreach_norm", t, dtype or t.dtype.to_real())
-    # A shard with no element (of a tensor with some) holds the reduction's identity; the others
-    # (and tensors with no element anywhere: torch's result or error) take torch's kernel.
-    # Every read below is of the local tensor or the spec: a metadata read of the DTensor itself
-    # (`t.numel()`, `t.device`) would enter its `__torch_function__`, per tensor.
-    locals_ = [t._local_tensor for t in tensors]
-    if all(x.numel() for x in locals_):
-        values = torch._foreach_norm(locals_, ord, dtype=dtype) if locals_ else []
-    else:
-        computed = [i for i, (t, x) in enumerate(zip(tensors, locals_))
-                    if x.numel() or not t._spec.tensor_meta.shape.numel()]
-        some = [locals_[i] for i in computed]
-        norms = dict(zip(computed, torch._foreach_norm(some, ord, dtype=dtype) if some else ()))
-        # The identities: one fill per (dtype, device), unbound into 0-dim views (one launch,
-        # and no copy from host memory, where a device would sync)
-        empty: dict = {}
-        for i, x in enumerate(locals_):
-            if i not in norms:
-                empty.setdefault((dtype or x.dtype.to_real(), x.device), []).append(i)
-        for (dt, device), idx in empty.items():
-            filled = torch.full((len(idx),), math.inf if ord < 0 else 0.0, dtype=dt,
-                                device=device)
-            norms.update(zip(idx, filled.unbind()))
-        values = [norms[i] for i in range(len(tensors))]
-    out = []
-    specs = _NORM_SPECS
-    for t, value in zip(tensors, values):
-        spec = t._spec
-        given, mesh = spec.placements, spec.mesh
-        key = (id(given), id(mesh), ord, value.dtype)
-        entry = specs.get(key)
-        if entry is None or entry[0] is not given or entry[1] is not mesh:
-            if len(specs) > 4096:
-                specs.clear()
-            entry = specs[key] = (given, mesh, _norm_spec(given, mesh, ord, value.dtype))
-        out.append(DTensor(value, entry[2], requires_grad=False))
-    return out
-
-
-# (id(placements), id(mesh), ord, dtype) -> (placements, mesh, the norms' spec): the entry keeps
-# the placements and mesh alive, so their ids are not reused while it is there.
-_NORM_SPECS: dict = caches.register("placement.norms norm specs", {})
-
-
-def _norm_spec(given: tuple, mesh, ord: float, dtype) -> DTensorSpec:
-    """The spec of `_foreach_norm`'s 0-dim output for an input with placements `given`: partial
-    over the sharded mesh dims, Replicate on the others (what `DTensor.from_local` builds)."""
-    if any(isinstance(p, Partial) for p in given):
-        raise NotImplementedError(
-            f"torch._foreach_norm of a RaggedShard DTensor with Partial placements {given}: "
-            "reduce the Partial mesh dim first"
-        )
-    partial = _norm_placement(ord)
-    placements = tuple(p if isinstance(p, Replicate) else partial for p in given)
-    return DTensorSpec(mesh, placements, TensorMeta(torch.Size(()), (), dtype))
 
 
 def _composite(name: str, fn):
@@ -233,10 +156,10 @@ def _composite(name: str, fn):
 # `__torch_dispatch__`.
 NORM_FUNCTIONS = {
     torch.linalg.vector_norm: _vector_norm,
-    torch._foreach_norm: _foreach_norm,
+    torch._foreach_norm: foreach_norm,
     torch.linalg.norm: _composite("torch.linalg.norm", torch.linalg.norm),
     torch.linalg.matrix_norm: _composite("torch.linalg.matrix_norm", torch.linalg.matrix_norm),
     torch.norm: _composite("torch.norm", torch.norm),
     torch.Tensor.norm: _composite("Tensor.norm", torch.Tensor.norm),
 }
-NORM_PACKETS = {aten.linalg_vector_norm: _vector_norm, aten._foreach_norm: _foreach_norm}
+NORM_PACKETS = {aten.linalg_vector_norm: _vector_norm, aten._foreach_norm: foreach_norm}

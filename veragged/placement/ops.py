@@ -65,8 +65,6 @@ from veragged.placement import factories, fastpath
 from veragged.placement.amp import AMP_FUNCTIONS, AMP_PACKETS
 from veragged.placement.layout import ragged_mesh_dim
 from veragged.placement.norms import NORM_FUNCTIONS, NORM_PACKETS
-from veragged.placement.operands import is_ragged_dt as _is_ragged_dt
-from veragged.placement.operands import name_of as _name
 from veragged.placement.operands import unwrap as _unwrap
 from veragged.placement.operands import wrap as _wrap
 from veragged.placement.random_ops import (
@@ -78,7 +76,7 @@ from veragged.placement.random_ops import (
 from veragged.placement.reductions import REDUCTION_FUNCTIONS, REDUCTION_PACKETS
 from veragged.placement.tensor import META as _META
 from veragged.placement.tensor import OP_KINDS as _KINDS
-from veragged.placement.tensor import accumulate_grads_locally
+from veragged.placement.tensor import RaggedDTensor, accumulate_grads_locally
 from veragged.runtime import caches
 
 __all__ = ["handle_torch_function"]
@@ -186,6 +184,10 @@ class _Allowlist(TorchDispatchMode):
         return out
 
 
+def _name(func) -> str:
+    return getattr(func, "__name__", None) or str(func)
+
+
 def _holds_ragged(x) -> bool:
     return isinstance(x, DTensor) and ragged_mesh_dim(x._spec.placements) is not None
 
@@ -211,7 +213,7 @@ def _split_mixed(func, args, kwargs):
     # Per-position arguments: the lists of that length (tensors, or scalars such as Adam's
     # step sizes); other arguments (scalars, a 0-dim coefficient, an empty list) go to both.
     lists = [v for v in values if isinstance(v, (list, tuple)) and len(v) == n]
-    if all(_is_ragged_dt(e) for e in lists[0]):
+    if all(isinstance(e, RaggedDTensor) for e in lists[0]):
         return NotImplemented  # every position holds a RaggedShard DTensor
     ragged = [i for i in range(n) if any(_holds_ragged(v[i]) for v in lists)]
     if not ragged or len(ragged) == n:
@@ -354,7 +356,7 @@ def _handle_torch_function(func, args, kwargs):
         out = special(*args, **kwargs)
         if out is not NotImplemented:
             return out
-    if func in _INDEXING and len(args) > 1 and _is_ragged_dt(args[0]):
+    if func in _INDEXING and len(args) > 1 and isinstance(args[0], RaggedDTensor):
         out = (factories.getitem(args[0], args[1]) if func is torch.Tensor.__getitem__
                else factories.setitem(args[0], args[1], args[2]))
         if out is not NotImplemented:
@@ -458,7 +460,7 @@ def _handle_torch_dispatch(func, args, kwargs):
             return out
     if not _allowed(func):
         flat, _ = tree_flatten((args, kwargs))
-        dt = next(x for x in flat if _is_ragged_dt(x))
+        dt = next(x for x in flat if isinstance(x, RaggedDTensor))
         raise _unsupported(func, dt.placements)
     uargs, ukwargs, refs, locals_to_dt = _unwrap(str(func), args, kwargs, func)
     return _wrap(func(*uargs, **ukwargs), refs, locals_to_dt)

@@ -145,6 +145,23 @@ class RaggedShard(Placement):
     dims: tuple[int, ...]
     _units: _Units
 
+    @classmethod
+    def for_counts(cls, shape: Sequence[int], counts: Sequence[int]) -> "RaggedShard":
+        """The coarsest RaggedShard giving each rank `counts[r]` elements of a tensor of
+        `shape` (a DBuffer's planned ranges give them).
+
+        Rows of `shape[k:]` for the smallest k whose row size divides every count (k = ndim,
+        single elements, always does), so row- and block-granular parameters keep row units.
+        """
+        shape = tuple(shape)
+        if not any(counts):  # numel 0: rank 0 holds the (empty) whole
+            return cls((0,), (1,) + (0,) * (len(counts) - 1))
+        for k in range(len(shape) + 1):
+            row = math.prod(shape[k:])
+            if row and all(c % row == 0 for c in counts):
+                return cls(tuple(range(k)), tuple(c // row for c in counts))
+        raise AssertionError("unreachable: single elements (k = ndim) divide every count")
+
     @property
     def local_units(self) -> tuple[int, ...]:
         return self._units.values

@@ -38,6 +38,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
 from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
 
+from veragged import _C
 from veragged.placement import boxes
 from veragged.placement.layout import ragged_mesh_dim
 from veragged.placement.torch_callers import refuse_torch_caller
@@ -53,7 +54,6 @@ __all__ = [
 OP_KINDS: dict = caches.register("placement.ops op kinds", {})
 META = 0
 _no_subclass_function = torch._C.DisableTorchFunctionSubclass
-_TENSOR_GRAD = torch._C.TensorBase.grad  # the C getset descriptor of `Tensor.grad`
 
 
 class _Up:
@@ -190,24 +190,6 @@ class RaggedDTensor(DTensor):
             )
         return RaggedDTensor(local, spec, requires_grad=requires_grad)
 
-    # `.grad`, read several times per parameter per step (clipping, optimizers, FSDP), served
-    # without entering `__torch_function__` (torch's DTensor disables it altogether): the
-    # tensor's own slot, read and written as torch's getter and setter do.
-    @property
-    def grad(self):
-        with _no_subclass_function():
-            return _TENSOR_GRAD.__get__(self)
-
-    @grad.setter
-    def grad(self, value):
-        with _no_subclass_function():
-            _TENSOR_GRAD.__set__(self, value)
-
-    @grad.deleter
-    def grad(self):
-        with _no_subclass_function():
-            _TENSOR_GRAD.__delete__(self)
-
     @staticmethod
     def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
                    placements: Sequence[Placement] | None = None, **kwargs) -> DTensor:
@@ -332,6 +314,29 @@ class RaggedDTensor(DTensor):
         out.__dict__.update(copy.deepcopy(_travelling(self.__dict__), memo))
         accumulate_grads_locally(out)
         return out
+
+
+# [Note: tensor attributes without __torch_function__]
+# A tensor attribute (`.grad`, `.shape`, `.device`, `.requires_grad`, ...) is read many times per
+# parameter per step: clipping reads `.grad` four times and `.device` once, optimizers and FSDP
+# more. torch's getters call the class's `__torch_function__` first; torch's DTensor disables
+# that hook altogether, RaggedDTensor routes ops through it, so every read paid a Python call
+# (about 1.3 us, against torch's 0.2). The class therefore serves torch's own getters with
+# subclasses' `__torch_function__` disabled, from C (`veragged._C.SubclassFunctionOff`,
+# csrc/bindings/tensor_attrs.cpp): the answers are torch's (what `__torch_function__`'s
+# metadata branch returned), a TorchFunctionMode still sees the reads as it sees torch's
+# DTensor's, and a read costs what one on torch's DTensor does. Sets go through
+# `__torch_function__` as before, except `.grad`'s, which torch's setter checks (dtype, device,
+# shape, layout) with the hook disabled.
+_ATTRIBUTES = (
+    "shape dtype device requires_grad grad _grad is_leaf ndim layout grad_fn is_cuda is_cpu "
+    "is_meta _base is_sparse is_quantized is_nested itemsize nbytes retains_grad output_nr "
+    "_version _post_accumulate_grad_hooks _backward_hooks"
+).split()
+for _name in _ATTRIBUTES:
+    setattr(RaggedDTensor, _name, _C.SubclassFunctionOff(
+        torch._C.TensorBase.__dict__[_name], writes=_name == "grad"))
+del _name
 
 
 def _travelling(attrs: dict) -> dict:

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from veragged.dbuffer.entries import ragged_placement
+from veragged.placement.ragged_shard import RaggedShard
 from veragged.placement.tensor import RaggedDTensor, make_spec
 from veragged.quant.formats import BlockFP8
 from veragged.quant.reference import quantize, scale_inv
@@ -127,7 +127,7 @@ def _export(buf, i: int, value, fmt: BlockFP8):
     assert sum(counts) == math.prod(sshape) and counts[buf.rank] == scales.numel(), (
         e.name, counts, sshape, scales.shape)
     shard_dim = buf.shard_dim
-    splace = tuple(ragged_placement(sshape, counts) if d == shard_dim else p
+    splace = tuple(RaggedShard.for_counts(sshape, counts) if d == shard_dim else p
                    for d, p in enumerate(placements))
     scale = RaggedDTensor(scales.reshape(-1), make_spec(mesh, splace, sshape, torch.float32),
                           requires_grad=False)
