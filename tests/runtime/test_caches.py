@@ -7,20 +7,20 @@ import pytest
 from torch.distributed.device_mesh import DeviceMesh
 
 import veragged  # noqa: F401 - registers every cache
-from veragged.dbuffer import spmd
-from veragged.placement import norms, tensor
+from veragged.dbuffer import tp_param
+from veragged.placement import fastpath, tensor
 from veragged.runtime import caches
 
 
 def test_the_caches_the_pool_used_to_clear_by_name_are_registered():
     mesh = object.__new__(DeviceMesh)  # only its identity is used as a key
     tensor._SPECS[("probe",)] = mesh
-    norms._NORM_SPECS[("probe",)] = mesh
-    spmd._MESHES[("probe",)] = mesh
+    fastpath._NORM_SPECS[("probe",)] = mesh
+    tp_param._MESHES[("probe",)] = mesh
     caches.clear()
     assert ("probe",) not in tensor._SPECS
-    assert ("probe",) not in norms._NORM_SPECS
-    assert ("probe",) not in spmd._MESHES
+    assert ("probe",) not in fastpath._NORM_SPECS
+    assert ("probe",) not in tp_param._MESHES
 
 
 def test_clear_empties_lru_caches_too():

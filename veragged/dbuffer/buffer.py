@@ -55,7 +55,7 @@ from veragged.runtime.streams import (
 )
 
 if TYPE_CHECKING:
-    from veragged.dbuffer.spmd import SpmdParam
+    from veragged.dbuffer.tp_param import TPParam
 
 __all__ = ["DBuffer"]
 
@@ -83,8 +83,8 @@ class DBuffer:
             `pin_memory` and the mesh is not a CPU mesh), as torch's `CPUOffloadPolicy`: the
             shard is copied to the mesh's device into its slot of the all-gather output, and
             the reduced gradients are copied back. See [Note: DBuffer layout].
-        spmd: per tensor, None or (for a tensor/expert-parallel DTensor, whose local block the
-            buffer holds) its `SpmdParam`; see [Note: FSDP over TP].
+        tp: per tensor, None or (for a tensor/expert-parallel DTensor, whose local block the
+            buffer holds) its `TPParam`; see [Note: FSDP over TP].
         reduce_in_own_dtype: without `reduce_dtype`, reduce in the tensors' own dtype (the
             shard's, following casts; torch 2.15's FSDP2) instead of `param_dtype`.
     """
@@ -115,7 +115,7 @@ class DBuffer:
         reduce_dtype: torch.dtype | None = None,
         offload: bool = False,
         pin_memory: bool = False,
-        spmd: Sequence["SpmdParam | None"] | None = None,
+        tp: Sequence["TPParam | None"] | None = None,
         reduce_in_own_dtype: bool = False,
     ):
         if not tensors:
@@ -131,7 +131,7 @@ class DBuffer:
         # What another buffer of the same kind needs for a subset of these tensors (`config`).
         self._config = dict(shard_dim=shard_dim, block_sizes=block_sizes,
                             param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=offload,
-                            pin_memory=pin_memory, spmd=spmd,
+                            pin_memory=pin_memory, tp=tp,
                             reduce_in_own_dtype=reduce_in_own_dtype)
         self.mesh = mesh
         if shard_dim is None:  # the whole group on every rank: [Note: replicated DBuffers]
@@ -143,9 +143,9 @@ class DBuffer:
             self.rank = mesh.get_coordinate()[self.shard_dim]
         self._policy = (param_dtype, reduce_dtype, reduce_in_own_dtype)
         self.offload = offload
-        self._spmd = list(spmd) if spmd is not None else [None] * len(tensors)
-        if len(self._spmd) != len(tensors):
-            raise ValueError(f"DBuffer: {len(tensors)} tensors but {len(self._spmd)} spmd entries")
+        self._tp = list(tp) if tp is not None else [None] * len(tensors)
+        if len(self._tp) != len(tensors):
+            raise ValueError(f"DBuffer: {len(tensors)} tensors but {len(self._tp)} tp entries")
         # The shard and the sharded gradients in pinned host memory: [Note: offloaded gradients]
         self.pin_memory = offload and pin_memory and mesh.device_type != "cpu"
         dtype = dtypes.pop()
@@ -174,13 +174,13 @@ class DBuffer:
     def _place(self, tensors, block_sizes, align: int) -> int:
         """Plan where each tensor lives: sets `self.entries` (and `self.layout`), returns S."""
         numels = [t.numel() if info is None else math.prod(info.plan_shape)
-                  for (_, t), info in zip(tensors, self._spmd)]
+                  for (_, t), info in zip(tensors, self._tp)]
         blocks = list(block_sizes) if block_sizes is not None else [1] * len(tensors)
         self.layout = plan(numels, blocks, self.world, align=align)
         S = self.layout.shard_size
         lo, hi = self.rank * S, (self.rank + 1) * S
         self.entries: list[_Entry] = []
-        for (name, t), (start, end), info in zip(tensors, self.layout.ranges, self._spmd):
+        for (name, t), (start, end), info in zip(tensors, self.layout.ranges, self._tp):
             counts = [max(0, min(end, (r + 1) * S) - max(start, r * S)) for r in range(self.world)]
             if info is None:
                 stop, placement = end, RaggedShard.for_counts(t.shape, counts)
@@ -197,7 +197,7 @@ class DBuffer:
         if info is None:
             return _Entry(name, t.shape, start, end, stop, local, placement, tuple(t.shape))
         return _Entry(name, info.shape, start, end, stop, local, placement,
-                      tuple(info.local_shape), spmd=info,
+                      tuple(info.local_shape), tp=info,
                       placements=info.placements(self._dp_placements(placement)))
 
     def _local_part(self, e: _Entry, t: torch.Tensor) -> torch.Tensor:
@@ -238,7 +238,7 @@ class DBuffer:
     def _unsharded_param(self, e: _Entry) -> torch.Tensor:
         """Tensor `e`'s view of the unsharded buffer (a TP one: a DTensor on the TP mesh)."""
         view = self._unsharded[e.start : e.stop].view(e.view_shape)
-        return view if e.spmd is None else e.spmd.unsharded(view)
+        return view if e.tp is None else e.tp.unsharded(view)
 
     def apply_(self, fn) -> bool:
         """Run a module `_apply` function (`.to()`, `.double()`, `to_empty`) on the group.
@@ -301,7 +301,7 @@ class DBuffer:
         """The keyword arguments that make a buffer of this kind and policy holding only the
         tensors `indices` (in that order)."""
         cfg = dict(self._config)
-        for key in ("block_sizes", "spmd"):
+        for key in ("block_sizes", "tp"):
             if cfg[key] is not None:
                 cfg[key] = [cfg[key][i] for i in indices]
         return cfg
@@ -388,7 +388,7 @@ class DBuffer:
 
     def spec_mesh(self, e: _Entry) -> DeviceMesh:
         """The mesh of tensor `e`'s sharded DTensor (the TP-combined one for a TP tensor)."""
-        return self.mesh if e.spmd is None else e.spmd.mesh
+        return self.mesh if e.tp is None else e.tp.mesh
 
     def sharded_view(self, e: _Entry, buf: torch.Tensor,
                      local: tuple[int, int] | None = None) -> DTensor:

@@ -63,7 +63,7 @@ class ChunkedDBuffer(DBuffer):
         self.entries = []
         self._chunks = []  # per tensor: (A, D / P, B), the 3-D view of one chunk
         off = 0
-        for (name, t), d, info in zip(tensors, self._dims, self._spmd):
+        for (name, t), d, info in zip(tensors, self._dims, self._tp):
             shape = tuple(t.shape) if info is None else info.local_shape
             if not 0 <= d < len(shape) or shape[d] % P or not (info is None or info.even):
                 raise ValueError(

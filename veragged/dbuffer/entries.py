@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor.placement_types import Placement
 
 if TYPE_CHECKING:
-    from veragged.dbuffer.spmd import SpmdParam
+    from veragged.dbuffer.tp_param import TPParam
 
 __all__ = ["Entry"]
 
@@ -30,5 +30,5 @@ class Entry:
     local: tuple[int, int]  # this rank's [begin, end) inside its shard
     placement: Placement  # on the shard mesh dim: a RaggedShard, or Shard(d) if chunked
     view_shape: tuple[int, ...]  # of the tensor's view of the unsharded (and gradient) buffer
-    spmd: "SpmdParam | None" = None  # a TP parameter's ([Note: FSDP over TP])
-    placements: tuple[Placement, ...] | None = None  # on spmd.mesh
+    tp: "TPParam | None" = None  # a TP parameter's ([Note: FSDP over TP])
+    placements: tuple[Placement, ...] | None = None  # on tp.mesh

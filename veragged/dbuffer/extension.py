@@ -83,7 +83,7 @@ def has_extension(t: torch.Tensor, name: str) -> bool:
 class ExtensionDBuffer(DBuffer):
     """Parameters sharded as torch's `Shard(0)` and all-gathered through their extension hooks.
 
-    Args: as `DBuffer` (no `offload`, no tensor-parallel `spmd`), plus `modules` (per tensor,
+    Args: as `DBuffer` (no `offload`, no tensor-parallel `tp`), plus `modules` (per tensor,
     the module holding it: the hooks' `module`), `mp_policy` (the hooks' `mp_policy`) and
     `locals_` (per tensor, this rank's chunk to use as the local tensor; default: chunks of the
     given tensors). See [Note: all-gather extensions].
@@ -98,7 +98,7 @@ class ExtensionDBuffer(DBuffer):
             raise NotImplementedError(
                 f"all-gather extensions with CPUOffloadPolicy are not supported: {names}"
             )
-        if any(s is not None for s in kwargs.get("spmd") or ()):
+        if any(s is not None for s in kwargs.get("tp") or ()):
             raise NotImplementedError(
                 f"all-gather extensions on tensor-parallel DTensors are not supported: {names}"
             )

@@ -242,9 +242,9 @@ class Gradients:
         srcs: list[torch.Tensor] = []
         pieces: list[int] = []
         for i, grad in grads:
-            spmd = buf.entries[i].spmd
-            if spmd is not None:  # a DTensor on the TP mesh: [Note: FSDP over TP]
-                grad = spmd.local_grad(grad)
+            tp = buf.entries[i].tp
+            if tp is not None:  # a DTensor on the TP mesh: [Note: FSDP over TP]
+                grad = tp.local_grad(grad)
             if grad.dtype not in ops.LAND_DTYPES or self.flat.dtype not in ops.LAND_DTYPES:
                 self.land_one(i, grad, local=True)  # complex, float8: torch's adds
                 continue
@@ -263,9 +263,9 @@ class Gradients:
         gradient already made local."""
         buf = self._buf
         self._make_room([i])
-        spmd = buf.entries[i].spmd
-        if spmd is not None and not local:  # a DTensor on the TP mesh: [Note: FSDP over TP]
-            grad = spmd.local_grad(grad)
+        tp = buf.entries[i].tp
+        if tp is not None and not local:  # a DTensor on the TP mesh: [Note: FSDP over TP]
+            grad = tp.local_grad(grad)
         flat, G = grad.reshape(-1), self.flat
         parts = [(G[d : d + k], flat[a : a + k]) for a, d, k in self.layout.land[i]]
         buf.rt.write(buf.key("grads"))

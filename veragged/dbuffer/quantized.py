@@ -60,7 +60,7 @@ class QuantDBuffer(DBuffer):
 
     Args: as `DBuffer`, plus `formats`: per tensor, a `BlockFormat` or None (that tensor is sent
     raw, in the param dtype, in the same packed slot). `block_sizes` (granularity_fn, rows) must
-    divide the format's tile-row block. No tensor-parallel `spmd` entries.
+    divide the format's tile-row block. No tensor-parallel `tp` entries.
     """
 
     def __init__(self, tensors, mesh, *, formats, **kwargs):
@@ -82,7 +82,7 @@ class QuantDBuffer(DBuffer):
                 raise ValueError(f"quant_fn({name!r}) = {f}: compute='fp8' needs a 2-D "
                                  f"weight (F.linear's), parameter {name!r} has shape "
                                  f"{list(t.shape)}; use compute='bf16' for it")
-        if any(s is not None for s in kwargs.get("spmd") or ()):
+        if any(s is not None for s in kwargs.get("tp") or ()):
             raise NotImplementedError(
                 f"block-scaled weights on tensor-parallel DTensors are not supported: "
                 f"{quantized} (a TP block's tiles are not the full weight's)")

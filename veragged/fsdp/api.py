@@ -24,7 +24,7 @@ from veragged.dbuffer.chunked import ChunkedDBuffer
 from veragged.dbuffer.extension import EXTENSION_ATTRS, ExtensionDBuffer, has_extension
 from veragged.dbuffer.quantized import QuantDBuffer
 from veragged.dbuffer.replicated import ReplicatedDBuffer
-from veragged.dbuffer.spmd import SpmdParam, spmd_param, tp_block_size
+from veragged.dbuffer.tp_param import TPParam, tp_block_size, tp_param
 from veragged.fsdp import log, state_dict
 from veragged.fsdp.dp_mesh import DpMesh, resolve_mesh, resolve_placement, split_param
 from veragged.fsdp.group import ParamGroup
@@ -267,7 +267,7 @@ class _Param(NamedTuple):
     dp: DpMesh  # its mesh: [Note: data-parallel meshes]
     inner: torch.Tensor  # what its DBuffer holds (a DTensor: its TP part, [Note: FSDP over TP])
     view: object | None  # how it is presented on the full SPMD mesh (dp_mesh_dims), or None
-    info: SpmdParam | None  # its tensor-parallel block, or None
+    info: TPParam | None  # its tensor-parallel block, or None
     dim: int | None  # the dim its placement shards (None: the default), checked
     extension: bool  # its tensor defines all-gather extension hooks
 
@@ -348,7 +348,7 @@ def _resolve_params(params, shard_placement_fn, default: DpMesh) -> list[_Param]
         result = shard_placement_fn(p) if shard_placement_fn is not None else None
         placement, dp = resolve_placement(fqn, result, default)
         inner, view = split_param(fqn, p, dp)
-        info = spmd_param(fqn, inner, dp.mesh) if isinstance(inner, DTensor) else None
+        info = tp_param(fqn, inner, dp.mesh) if isinstance(inner, DTensor) else None
         if p.ndim == 0:
             raise ValueError(
                 f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor "
@@ -454,7 +454,7 @@ def _make_buffer(bucket: _Bucket, call: _Call, granularity_fn, quant_fn=None) ->
     if bucket.extension:
         owners = [r.locations[0][0] for r in entries]  # the hooks' `module`
         return ExtensionDBuffer(tensors, dp.mesh, modules=owners, mp_policy=call.mp_policy,
-                                spmd=infos, **call.policy)
+                                tp=infos, **call.policy)
     if dp.replicate_only:  # torch's DDP mode: [Note: replicated DBuffers]
         if granularity_fn is not None:
             raise ValueError(
@@ -462,15 +462,15 @@ def _make_buffer(bucket: _Bucket, call: _Call, granularity_fn, quant_fn=None) ->
                 "their dp_mesh_dims name no shard dim (DDP mode), nothing is cut"
             )
         specs = [None if r.view is None else r.view.spec for r in entries]
-        return ReplicatedDBuffer(tensors, dp.mesh, specs=specs, spmd=infos, **call.policy)
+        return ReplicatedDBuffer(tensors, dp.mesh, specs=specs, tp=infos, **call.policy)
     if bucket.chunked:
-        return ChunkedDBuffer(tensors, dp.mesh, dims=[r.dim for r in entries], spmd=infos,
+        return ChunkedDBuffer(tensors, dp.mesh, dims=[r.dim for r in entries], tp=infos,
                               **call.policy)
     blocks = [_block_size(r.fqn, r.param, granularity_fn, r.dim, r.info) for r in entries]
     if formats is not None:
-        return QuantDBuffer(tensors, dp.mesh, formats=formats, block_sizes=blocks, spmd=infos,
+        return QuantDBuffer(tensors, dp.mesh, formats=formats, block_sizes=blocks, tp=infos,
                             **call.policy)
-    return DBuffer(tensors, dp.mesh, block_sizes=blocks, spmd=infos, **call.policy)
+    return DBuffer(tensors, dp.mesh, block_sizes=blocks, tp=infos, **call.policy)
 
 
 def _install(modules: tuple[nn.Module, ...], state: FSDPState) -> None:

@@ -44,7 +44,7 @@ def adopt_extensions(state: FSDPState) -> None:
 def _split(g: ParamGroup, hooked: list[int], mp_policy) -> list[ParamGroup]:
     buf = g.buffer
     names = [g.fqns[i] for i in hooked]
-    if type(buf) is not DBuffer or any(g.views[i] is not None or buf.entries[i].spmd is not None
+    if type(buf) is not DBuffer or any(g.views[i] is not None or buf.entries[i].tp is not None
                                       for i in hooked):
         raise NotImplementedError(
             f"all-gather extensions set after fully_shard on {names} are supported on plain "

@@ -295,9 +295,9 @@ def foreach_norm(tensors, ord=2, dtype=None):
 
 # (id(placements), id(mesh), ord, dtype) -> (placements, mesh, the norms' spec): the entry keeps
 # the placements and mesh alive, so their ids are not reused while it is there.
-_NORM_SPECS: dict = caches.register("placement.norms norm specs", {})
+_NORM_SPECS: dict = caches.register("placement.fastpath norm specs", {})
 # (output placements, mesh, dtype) -> the one spec of norms with them
-_SHARED_NORM_SPECS: dict = caches.register("placement.norms shared norm specs", {})
+_SHARED_NORM_SPECS: dict = caches.register("placement.fastpath shared norm specs", {})
 
 
 def _norm_placement(ord: float) -> Placement:

@@ -238,11 +238,6 @@ class RaggedLayout:
         units = self.placement._units
         return tuple(p * self.rows // units.total * self.row_numel for p in units.prefix)
 
-    @functools.cached_property
-    def max_local_numel(self) -> int:
-        b = self.bounds
-        return max(b[r + 1] - b[r] for r in range(len(b) - 1))
-
 
 @caches.register_function("placement.layout ragged layouts")
 @functools.lru_cache(maxsize=4096)

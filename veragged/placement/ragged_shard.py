@@ -198,9 +198,6 @@ class RaggedShard(Placement):
     def __reduce__(self):
         return (type(self), (self.dims, self.local_units))
 
-    def is_ragged(self) -> bool:
-        return True
-
     def is_replicate(self) -> bool:
         # [Note: torch's redistribute to RaggedShard]
         if sys._getframe(1).f_code is _TORCH_REDISTRIBUTE:

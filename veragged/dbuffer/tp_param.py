@@ -41,20 +41,20 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from veragged.placement.tensor import make_spec
 from veragged.placement.layout import normalize_placements
+from veragged.placement.tensor import make_spec
 from veragged.runtime import caches
 
-__all__ = ["SpmdParam", "spmd_param", "tp_block_size"]
+__all__ = ["TPParam", "tp_block_size", "tp_param"]
 
 # (id(dp mesh), id(tp mesh)) -> (combined mesh, dp mesh, tp mesh): one combined mesh per pair,
 # so sharded parameters share it (specs are cached by mesh identity).
 _MESHES: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh, DeviceMesh]] = caches.register(
-    "dbuffer.spmd combined meshes", {})
+    "dbuffer.tp_param combined meshes", {})
 
 
 @dataclass(frozen=True)
-class SpmdParam:
+class TPParam:
     """How a model-parallel DTensor parameter sits in a DBuffer; see [Note: FSDP over TP]."""
 
     spec: DTensorSpec  # the model-parallel DTensor's spec (its mesh, placements, global shape)
@@ -113,7 +113,7 @@ def _concat(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     return mesh
 
 
-def spmd_param(fqn: str, p: DTensor, dp_mesh: DeviceMesh) -> SpmdParam:
+def tp_param(fqn: str, p: DTensor, dp_mesh: DeviceMesh) -> TPParam:
     """Check a model-parallel DTensor parameter and describe its place in a DBuffer."""
     spec = p._spec
     tp_mesh = spec.mesh
@@ -138,10 +138,10 @@ def spmd_param(fqn: str, p: DTensor, dp_mesh: DeviceMesh) -> SpmdParam:
             even = even and plan[pl.dim] % n == 0
             plan[pl.dim] = -(-plan[pl.dim] // n)
     local = tuple(p._local_tensor.shape)
-    return SpmdParam(spec, mesh, tuple(plan), local, even)
+    return TPParam(spec, mesh, tuple(plan), local, even)
 
 
-def tp_block_size(fqn: str, info: SpmdParam, g: int | None, rows: bool) -> int:
+def tp_block_size(fqn: str, info: TPParam, g: int | None, rows: bool) -> int:
     """Elements of the TP block no dp boundary may cut (the LCM rule of [Note: FSDP over TP]).
 
     `g`: granularity_fn's block, in elements of the global tensor (None: 1); `rows`: keep rows
