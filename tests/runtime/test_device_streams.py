@@ -81,11 +81,11 @@ def test_device_streams_order_by_events_only():
     ag = rt.stream("all_gather")
     assert ag.priority == -1 and ag is not rt.stream("reduce_scatter")
     with rt.use(ag):
-        handle = rt.launched(FakeWork(mod))
+        handle = rt.handle(FakeWork(mod))
     # the work is waited for on the all-gather stream, then its event recorded there
     assert mod.log[0] == ("work.wait", ag.name)
     assert mod.log[1][0] == "record" and mod.log[1][2] == ag.name
-    rt.completed(handle)  # the current (default) stream waits for it
+    rt.wait_for(handle)  # the current (default) stream waits for it
     assert mod.log[-1] == ("wait_event", "default", handle.event.name)
 
     buf = torch.zeros(8)

@@ -223,9 +223,9 @@ def _breakage(broken: str) -> list:
     if broken == "":
         return []
     if broken == "missing_wait":  # the compute stream does not wait for the all-gather
-        def completed(self, handle, stream=None):
-            Streams.completed(self, handle)
-        return [mock.patch.object(Recorder, "completed", completed)]
+        def wait_for(self, handle, stream=None):
+            Streams.wait_for(self, handle)
+        return [mock.patch.object(Recorder, "wait_for", wait_for)]
     if broken == "free_before_wait":  # releases free at once, without the event
         def release(self, key, tensor, stream, mode="free"):
             Streams.release(self, key, tensor, stream, mode)

@@ -539,15 +539,15 @@ class DBuffer:
         if self.world == 1:  # nothing to gather: the shard is the whole buffer
             if source is self.shard:
                 ops.cast_scale_(out, self.shard, 1.0)
-            rt.launch("copy", reads=reads, writes=(written,))
-            self._gather_handle = rt.launched(None)  # `wait_unshard` finishes it
+            rt.accesses("copy", reads=reads, writes=(written,))
+            self._gather_handle = rt.handle(None)  # `wait_unshard` finishes it
         else:
             # As bytes by default, as torch's FSDP2 does: every parameter dtype (float8, uint16,
             # ...) moves, whatever dtypes the backend reduces (gloo refuses several).
             work = comms.all_gather(comm, dest, source, group)
-            rt.launch("all_gather", reads=reads,
+            rt.accesses("all_gather", reads=reads,
                       writes=(self.key("staged") if comm is not None else written,))
-            self._gather_handle = rt.launched(work)
+            self._gather_handle = rt.handle(work)
             self._gather_stage = None if comm is None else StagedGather(dest, out)
 
     @property
@@ -567,10 +567,10 @@ class DBuffer:
         stage, self._gather_stage = self._gather_stage, None
         if handle is None:
             return
-        self.rt.completed(handle)
+        self.rt.wait_for(handle)
         self._gather_keep = None
         if stage is not None:  # the comm's staging buffer: [Note: custom comms]
-            self.rt.launch("copy", reads=(self.key("staged"),),
+            self.rt.accesses("copy", reads=(self.key("staged"),),
                            writes=(self._gathered_key(stage.output),))
             with torch.no_grad():
                 stage.output.copy_(stage.staged)
@@ -641,7 +641,7 @@ class DBuffer:
             j = dist.get_group_rank(post_forward_group, dist.get_rank())
             chunk = self._unsharded.numel() // k  # k divides the world, so P * S
             keep = self.rank_major(self._unsharded)[j * chunk : (j + 1) * chunk].clone()
-            self.rt.launch("copy", reads=(self.key("unsharded"),), writes=(self.key("kept"),))
+            self.rt.accesses("copy", reads=(self.key("unsharded"),), writes=(self.key("kept"),))
             self._post_forward = PostForwardChunk(keep, post_forward_group,
                                                   self._params_version())
         if self._holds:  # its memory returns once no stream still reads it

@@ -78,8 +78,8 @@ class ChunkedDBuffer(DBuffer):
                     f"{tuple(info.spec.placements)}; chunk another dim"
                 )
             n = math.prod(shape) // P
-            self.entries.append(self._entry(name, t, P * off, P * (off + n), (off, off + n),
-                                            Shard(d), info, None))
+            self.entries.append(self._entry(name, t, P * off, P * (off + n), P * (off + n),
+                                            (off, off + n), Shard(d), info))
             self._chunks.append((math.prod(shape[:d]), shape[d] // P, math.prod(shape[d + 1 :])))
             off += n
         self._used = off
@@ -113,7 +113,7 @@ class ChunkedDBuffer(DBuffer):
 
     def _finish_gather(self) -> None:
         gathered, self._gathered = self._gathered, None
-        self.rt.launch("copy", reads=(self.key("gathered"),), writes=(self.key("unsharded"),))
+        self.rt.accesses("copy", reads=(self.key("gathered"),), writes=(self.key("unsharded"),))
         with torch.no_grad():
             for e, chunk in zip(self.entries, self._chunks):
                 self._full(self._unsharded, e, chunk).copy_(

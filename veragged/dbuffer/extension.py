@@ -284,8 +284,8 @@ class ExtensionDBuffer(DBuffer):
                 self._recv = torch.empty(P * send.numel(), dtype=torch.uint8, device=send.device)
                 work = dist.all_gather_into_tensor(self._recv, send, group=self.group,
                                                    async_op=True)
-            rt.launch("all_gather", reads=(self.key("shard"),), writes=(self.key("recv"),))
-            self._work = rt.launched(work)
+            rt.accesses("all_gather", reads=(self.key("shard"),), writes=(self.key("recv"),))
+            self._work = rt.handle(work)
         self._send = send  # alive until the wait
         self._state = "gathering"
         if not async_op:
@@ -297,13 +297,13 @@ class ExtensionDBuffer(DBuffer):
         if self._state != "gathering":
             return
         rt = self.rt
-        rt.completed(self._work)
+        rt.wait_for(self._work)
         recv, send = self._recv, self._send
         self._work = self._send = self._recv = None
         outs = [o for os in self._outputs for o in os]
         for o in outs:  # on the current stream, which reads and frees them
             alloc_storage(o)
-        rt.launch("copy", reads=(self.key("recv"),), writes=(self.key("unsharded"),))
+        rt.accesses("copy", reads=(self.key("recv"),), writes=(self.key("unsharded"),))
         recv = recv.view(self.world, -1)
         if outs:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(outs)):

@@ -482,14 +482,14 @@ class Gradients:
         rt.wait(rt.record(), rs)
         with rt.use(rs):
             reduced, source, temp = self._launch_reduce(direct, comm, source, S)
-            handle = rt.launched(None)
+            handle = rt.handle(None)
             if buf.world > 1:
                 starts = None if comm is not None or lay.uniform else lay.starts
                 work = comms.reduce_scatter(comm, reduced, source,
                                             buf.reduce_scatter_group or buf.group, starts)
-                rt.launch("reduce_scatter", reads=(buf.key("staged_grads" if comm else "grads"),),
+                rt.accesses("reduce_scatter", reads=(buf.key("staged_grads" if comm else "grads"),),
                           writes=(buf.key("shard_grad" if direct else "reduced"),))
-                handle = rt.launched(work)
+                handle = rt.handle(work)
         self._reduce = InFlightReduce(handle, source, temp, reduced, direct, accumulate, scale,
                                       all_reduce, unreached)
         if not async_op:
@@ -507,7 +507,7 @@ class Gradients:
             return source, source, None
         if comm is not None:  # staged in the comm's buffers, flags included
             lay = self.layout
-            buf.rt.launch("copy", reads=(buf.key("grads"),), writes=(buf.key("staged_grads"),))
+            buf.rt.accesses("copy", reads=(buf.key("grads"),), writes=(buf.key("staged_grads"),))
             source = comms.stage(comm, source, buf.world, max(lay.sizes) + lay.flags,
                                  None if lay.uniform else lay.starts)
             reduced = comms.allocate(comm, source.numel() // buf.world, buf.reduce_dtype,
@@ -554,7 +554,7 @@ class Gradients:
             # reduce-scattered sum (and flags) aside, as torch does; the next all-reducing
             # micro-batch adds it in before its all-reduce. The sharded gradients are not
             # touched until then.
-            rt.completed(handle)
+            rt.wait_for(handle)
             rt.read(rkey)
             if self._partial is None:
                 self._partial = reduced[: S + F].clone()
@@ -564,24 +564,24 @@ class Gradients:
             return done
         if replica_dims:  # HSDP: the all-reduce on its own stream, after what it reduces
             if self._partial is not None:  # the kept sums, added on the current stream
-                rt.completed(handle)
+                rt.wait_for(handle)
                 rt.read(rkey)
                 reduced = reduced[: S + F] + self._partial
                 self._partial = None
                 rkey = buf.key("partial_sum")
                 rt.write(rkey)
-                handle = rt.launched(None)
+                handle = rt.handle(None)
             ar = rt.stream("all_reduce")
             for d in replica_dims:
-                rt.completed(handle, ar)  # after the reduce-scatter, or the previous dim's
+                rt.wait_for(handle, ar)  # after the reduce-scatter, or the previous dim's
                 with rt.use(ar):
                     group = buf.mesh.get_group(d)
                     work = comms.named(dist.all_reduce(reduced, op=dist.ReduceOp.SUM,
                                                        group=group, async_op=True),
                                        "all_reduce", group)
-                    rt.launch("all_reduce", reads=(rkey,), writes=(rkey,))
-                    handle = rt.launched(work)
-        rt.completed(handle)
+                    rt.accesses("all_reduce", reads=(rkey,), writes=(rkey,))
+                    handle = rt.handle(work)
+        rt.wait_for(handle)
         red.source = None  # the reduce-scatter's input may go: it completed
         rt.read(rkey)
         if hook is not None:

@@ -210,7 +210,7 @@ class QuantDBuffer(DBuffer):
             with tr.trace(tr.QUANTIZE, self.trace_fqn):
                 quantize_tiles_(self._qslot, self.shard, self._qtable, p.quantize_tiles,
                                 self.param_dtype)
-            rt.launch("quantize", reads=(self.key("shard"),), writes=(self.key("quantized"),))
+            rt.accesses("quantize", reads=(self.key("shard"),), writes=(self.key("quantized"),))
             self._quantized_at = versions
             self.stats.quantizations += 1
         n = p.gather_bytes
@@ -229,12 +229,12 @@ class QuantDBuffer(DBuffer):
         if self.world == 1:
             if source is not packed:
                 packed.copy_(source)
-            rt.launch("copy", reads=(self.key("quantized"),), writes=(self.key("packed"),))
-            self._gather_handle = rt.launched(None)
+            rt.accesses("copy", reads=(self.key("quantized"),), writes=(self.key("packed"),))
+            self._gather_handle = rt.handle(None)
             return
         work = comms.all_gather(comm, packed, source, self.group)
-        rt.launch("all_gather", reads=(self.key("quantized"),), writes=(self.key("packed"),))
-        self._gather_handle = rt.launched(work)
+        rt.accesses("all_gather", reads=(self.key("quantized"),), writes=(self.key("packed"),))
+        self._gather_handle = rt.handle(work)
         self.stats.all_gathers += 1
 
     def _finish_gather(self) -> None:
@@ -242,7 +242,7 @@ class QuantDBuffer(DBuffer):
         the gathered bytes, restore the buffer's version."""
         packed, self._packed = self._packed, None
         if packed is not None:
-            self.rt.launch("dequantize", reads=(self.key("packed"),),
+            self.rt.accesses("dequantize", reads=(self.key("packed"),),
                            writes=(self.key("unsharded"),))
             with torch.no_grad(), tr.trace(tr.DEQUANTIZE, self.trace_fqn):
                 dequantize_tiles_(self._unsharded, packed, self._dqtable,

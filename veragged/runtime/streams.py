@@ -8,7 +8,7 @@ So a collective launched from the compute stream cannot start before the compute
 it ends, and memory handed back to the caching allocator can be handed out again while another
 stream still reads it. `Streams` (one per root `fully_shard` state, as torch's `FSDPCommContext`)
 owns the side streams and decides every ordering; the DBuffer and the FSDP hooks only say what
-they do (`use`, `record`, `wait`, `launch`, `read`, `write`, `release`):
+they do (`use`, `record`, `wait`, `accesses`, `read`, `write`, `release`):
 - all-gather stream: the all-gathers, their copy-in (a cast for mixed precision, the host copy for
   CPU offload) and their output. It never waits for the compute stream to drain: the all-gather
   of the next block (launched when the host reaches its pre-forward, while the device still runs
@@ -192,12 +192,12 @@ class Streams:
 
     # --- collectives -------------------------------------------------------------------------
 
-    def launched(self, work: Any, stream: Any = None) -> Handle:
-        """A collective launched with `async_op=True` on `stream` (the current one inside
-        `use(stream)`); `work` may be None (already done)."""
+    def handle(self, work: Any, stream: Any = None) -> Handle:
+        """The handle of a collective launched with `async_op=True` on `stream` (the current
+        one inside `use(stream)`); `work` may be None (already done). `wait_for` takes it."""
         return Handle(work, None, stream)
 
-    def completed(self, handle: Handle | None, stream: Any = None) -> None:
+    def wait_for(self, handle: Handle | None, stream: Any = None) -> None:
         """Order `stream` (default: current) after the collective: the host waits for its
         work here (current-stream runtime), a device stream waits for its event."""
         if handle is not None and handle.work is not None:
@@ -212,8 +212,9 @@ class Streams:
     def write(self, key: Hashable, stream: Any = None) -> None:
         """`stream` (default: current) writes buffer `key` from here on."""
 
-    def launch(self, name: str, reads: tuple = (), writes: tuple = (), stream: Any = None):
-        """A collective (or copy) `name` on `stream` reads `reads` and writes `writes`."""
+    def accesses(self, name: str, reads: tuple = (), writes: tuple = (), stream: Any = None):
+        """A collective (or copy) `name` queued on `stream` reads the buffers `reads` and
+        writes the buffers `writes` (until its `wait_for`)."""
 
     # --- memory ------------------------------------------------------------------------------
 
@@ -345,7 +346,7 @@ class DeviceStreams(DeferringStreams):
     def wait_stream(self, waiter, waited=None) -> None:
         waiter.wait_stream(waited if waited is not None else self.current())
 
-    def launched(self, work, stream=None) -> Handle:
+    def handle(self, work, stream=None) -> Handle:
         # Inside the launching stream: that stream waits for the collective (NCCL's end event),
         # the host does not; later users wait for this stream's event.
         with self.use(stream):
@@ -353,7 +354,7 @@ class DeviceStreams(DeferringStreams):
                 work.wait()
             return Handle(None, self.record(stream), stream)
 
-    def completed(self, handle, stream=None) -> None:
+    def wait_for(self, handle, stream=None) -> None:
         if handle is not None:
             self.wait(handle.event, stream)
 

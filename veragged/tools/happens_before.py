@@ -118,13 +118,13 @@ class Recorder(DeferringStreams):
             if c > mine.get(s, 0):
                 mine[s] = c
 
-    def launched(self, work, stream=None) -> Handle:
+    def handle(self, work, stream=None) -> Handle:
         return Handle(work, self.record(stream), stream)
 
-    def completed(self, handle, stream=None) -> None:
+    def wait_for(self, handle, stream=None) -> None:
         if handle is None:
             return
-        Streams.completed(self, handle)  # the host waits, as on the CPU
+        Streams.wait_for(self, handle)  # the host waits, as on the CPU
         self.wait(handle.event, stream)
 
     # --- accesses ----------------------------------------------------------------------------
@@ -164,7 +164,7 @@ class Recorder(DeferringStreams):
         self._check("write", key, [h.write, *h.reads], op.stream)
         h.write, h.reads = op, []
 
-    def launch(self, name: str, reads=(), writes=(), stream=None) -> None:
+    def accesses(self, name: str, reads=(), writes=(), stream=None) -> None:
         self._op("launch", stream, None, name)
         for k in reads:
             self.read(k, stream, name)
