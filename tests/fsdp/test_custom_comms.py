@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 import veragged
 from tests.fsdp._reference import Block
 from veragged.dbuffer import comms as dbuffer_comms
-from veragged.fsdp import comms as fsdp_comms
+from veragged.fsdp import comm_settings as fsdp_comms
 from tests.harness import get_mesh, run_on_ranks
 from tests.harness.device import rank_device_type
 

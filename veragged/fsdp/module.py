@@ -14,7 +14,7 @@ try:  # torch 2.15: `finalize_backward(async_op=True)`'s handle type (absent on 
 except ImportError:
     _TorchReductionHandle = None
 
-from veragged.fsdp import comms
+from veragged.fsdp import comm_settings
 from veragged.fsdp.group import ParamGroup
 from veragged.fsdp.state import FSDPState
 
@@ -156,7 +156,7 @@ class FSDPModule(TorchFSDPModule):
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
         for state in self._states(recurse):
-            comms.check_symm_mem_buffers(state, max_input_buffers)
+            comm_settings.check_symm_mem_buffers(state, max_input_buffers)
         for state in self._states(recurse):
             state.max_reduce_scatter_buffers = max_input_buffers
         ctx = self._veragged_state.ctx
@@ -235,27 +235,27 @@ class FSDPModule(TorchFSDPModule):
     # Collectives through comm objects, staged in their buffers: [Note: custom comms].
     def set_custom_all_gather(self, comm) -> None:
         """This module's all-gathers go through `comm` (torch's `AllGather`)."""
-        comms.set_custom_comm(self._veragged_state, "all_gather", comm)
+        comm_settings.set_custom_comm(self._veragged_state, "all_gather", comm)
 
     def set_custom_reduce_scatter(self, comm) -> None:
         """This module's reduce-scatters go through `comm` (torch's `ReduceScatter`)."""
-        comms.set_custom_comm(self._veragged_state, "reduce_scatter", comm)
+        comm_settings.set_custom_comm(self._veragged_state, "reduce_scatter", comm)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Stage this module's collectives in the process group's memory where its backend has
         an allocator (not with a custom comm: AssertionError, as torch)."""
-        comms.set_allocate_from_process_group(self._veragged_state, enable)
+        comm_settings.set_allocate_from_process_group(self._veragged_state, enable)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Stage this module's all-gathers (and, with `set_force_sum_reduction_for_comms`,
         reduce-scatters) in symmetric memory (CUDA, NCCL)."""
-        comms.set_symm_mem(self._veragged_state, backend)
+        comm_settings.set_symm_mem(self._veragged_state, backend)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *,
                                           recurse: bool = True) -> None:
         """Run the reduce-scatters on a process group of their own over the shard ranks
         (collective over those ranks, as torch); False: back to the shard group."""
-        comms.set_separate_reduce_scatter_group(self._states(recurse), enable)
+        comm_settings.set_separate_reduce_scatter_group(self._states(recurse), enable)
 
     def _apply(self, fn, recurse: bool = True):
         """`.to()`, `.float()`, `to_empty()`, ...: the DBuffers go through `fn` as a whole,
