@@ -17,7 +17,9 @@ boundary, S a multiple of `256 / itemsize` so every rank's slot starts 256-byte 
   one write each ([Note: gradient landing]), and `reduce_scatter_tensor` reads it as is; the
   result is scaled (and cast) into the sharded gradients, views into one S-element buffer, by
   one fused kernel. The gradient side is one object the DBuffer owns, `buffer.grads`
-  (`Gradients`, grads.py), which reads the layout here and writes only its own fields.
+  (`Gradients`, grads.py), given at construction what it reads of the layout here.
+What modules and state dicts do to the sharded parameters (`.to()`, swaps, loads) is in
+`param_ops.py` (`ParamOps`, a base of `DBuffer`).
 A comm object set for a collective (torch's `set_custom_all_gather`, ...) stages that one in its
 own buffers instead, with the copies torch makes: [Note: custom comms] (`comms.py`).
 With CPU offload (`offload=True`, torch's `CPUOffloadPolicy`) the shard and sharded gradients
@@ -41,17 +43,14 @@ from veragged.dbuffer import comms, ops
 from veragged.dbuffer.entries import Entry as _Entry
 from veragged.dbuffer.grads import Gradients
 from veragged.dbuffer.inflight import PostForwardChunk, StagedGather
-from veragged.placement.api import distribute_tensor
+from veragged.dbuffer.param_ops import ParamOps
 from veragged.placement.ragged_shard import RaggedShard
-from veragged.placement.redistribute import redistribute
 from veragged.placement.tensor import RaggedDTensor, make_spec
-from veragged.placement.torch_callers import WAYS_OUT
 from veragged.planner import plan
 from veragged.runtime.streams import (
     current_stream_runtime,
     free_storage,
     mesh_device,
-    same_storage,
 )
 
 if TYPE_CHECKING:
@@ -66,7 +65,7 @@ def _comm_kind(kind: str) -> str:
     return kind
 
 
-class DBuffer:
+class DBuffer(ParamOps):
     """One parameter group's flat buffers on one mesh; see [Note: DBuffer layout].
 
     Args:
@@ -100,9 +99,16 @@ class DBuffer:
     # a subclass landing gradients in another layout sets False and overrides `rank_major`.
     GRADS_RANK_MAJOR = True
 
-    # The suffix of its profiler ranges: the fqn of the module(s) whose fully_shard group it is
-    # ([Note: trace ranges]), set at the root's lazy init; empty for the root or on its own.
-    trace_fqn = ""
+    @property
+    def trace_fqn(self) -> str:
+        """The suffix of its profiler ranges: the fqn of the module(s) whose fully_shard group
+        it is ([Note: trace ranges]), set at the root's lazy init; empty for the root or on its
+        own."""
+        return self.grads.trace_fqn
+
+    @trace_fqn.setter
+    def trace_fqn(self, fqn: str) -> None:
+        self.grads.trace_fqn = fqn
 
     def __init__(
         self,
@@ -156,7 +162,16 @@ class DBuffer:
         itemsize = min(d.itemsize for d in (dtype, compute, reduce_dtype or compute))
         S = self.shard_size = self._place(tensors, block_sizes, align=ops.ALIGN_BYTES // itemsize)
         # Gradient room for every tensor until told otherwise: [Note: compacted gradients].
-        self.grads = Gradients(self, itemsize)
+        replica_dims = self.replica_dims()
+        self.params: list[torch.nn.Parameter] = []  # the sharded parameters (`_make_buffers`)
+        self.grads = Gradients(
+            self, entries=self.entries, params=self.params, world=self.world, rank=self.rank,
+            group=self.group, shard_size=S,
+            replica_groups=[mesh.get_group(d) for d in replica_dims],
+            replicas=math.prod(mesh.size(d) for d in replica_dims), itemsize=itemsize,
+            rank_major=self.GRADS_RANK_MAJOR, sharded_view=self.sharded_view,
+            to_rank_major=self.rank_major, offload=offload, pin_memory=self.pin_memory,
+            rt=self.rt)
         shard = ops.aligned_empty(S, dtype, device, pin_memory=self.pin_memory and not meta)
         if not meta:
             shard.zero_()
@@ -166,7 +181,7 @@ class DBuffer:
                     if n:  # a TP parameter: its local block ([Note: FSDP over TP])
                         t = t._local_tensor if isinstance(t, DTensor) else t
                         shard[b : b + n].copy_(self._local_part(e, t.detach()))
-        self.params = self._make_buffers(shard)
+        self.params.extend(self._make_buffers(shard))
         self._gather_handle = None  # the all-gather in flight (runtime Handle)
         self._gathered_params: tuple[int, ...] | None = None  # sharded versions at the gather
         self._gather_stage: StagedGather | None = None  # through a comm, until the wait
@@ -230,7 +245,8 @@ class DBuffer:
         # Gradients land in the reduce dtype, as torch's FSDP2 copies them into its reduce-scatter
         # input (and accumulates no-sync micro-batches) in it: [Note: gradient landing].
         # Its slots end with the verdict flags: [Note: unreached parameters].
-        self.grads.reset()
+        self.grads.reset(dtype=self.dtype, device=self.device, compute_device=self.compute_device,
+                         reduce_dtype=self.reduce_dtype)
         self._post_forward: PostForwardChunk | None = None  # see `reshard`
         self._gather_keep = None
         return params
@@ -239,140 +255,6 @@ class DBuffer:
         """Tensor `e`'s view of the unsharded buffer (a TP one: a DTensor on the TP mesh)."""
         view = self._unsharded[e.start : e.stop].view(e.view_shape)
         return view if e.tp is None else e.tp.unsharded(view)
-
-    def apply_(self, fn) -> bool:
-        """Run a module `_apply` function (`.to()`, `.double()`, `to_empty`) on the group.
-
-        `fn` sees the flat shard once. If it returns a new dtype or device, every buffer is
-        re-made around the result and the old sharded parameters take the new contents in
-        place (`.data` and the DTensor fields; weak references and optimizer state keep
-        pointing at the same objects), so modules and optimizers holding them stay valid.
-        Sharded gradients move with their parameters. Returns whether the buffers were re-made
-        (the unsharded views are then new objects).
-        """
-        self.grads.finish_reduce()
-        self.reshard()
-        with torch.no_grad():
-            new = fn(self.shard)
-        if new is self.shard or (new.dtype == self.dtype and new.device == self.device
-                                 and same_storage(new, self.shard)
-                                 and new.storage_offset() == self.shard.storage_offset()):
-            return False
-        pin = self.pin_memory and new.device.type == "cpu"
-        shard = ops.aligned_empty(self.shard_size, new.dtype, new.device, pin_memory=pin)
-        with torch.no_grad():
-            shard.copy_(new)
-        self._remake(shard)
-        return True
-
-    def _remake(self, shard: torch.Tensor) -> None:
-        """Re-make every buffer around `shard` (`apply_`): the old sharded parameters take the
-        new contents in place, their sharded gradients move with them."""
-        had_grad = [p.grad is not None for p in self.params]
-        old_shard_grad = self.grads.shard_grad
-        new_params = self._make_buffers(shard)
-        for i, (old, fresh) in enumerate(zip(self.params, new_params)):
-            with torch._C.DisableTorchFunctionSubclass():  # no ragged hooks: `_sharded_param`
-                old.grad = None
-                fresh.requires_grad_(old.requires_grad)
-            try:
-                torch.utils.swap_tensors(old, fresh)
-                continue
-            except RuntimeError:  # weakly referenced (hooks): keep the object, take the data
-                pass
-            try:
-                with torch._C.DisableTorchFunctionSubclass():
-                    old.data = fresh
-                    if hasattr(old, "grad_dtype"):
-                        old.grad_dtype = fresh.dtype
-                old._local_tensor, old._spec = fresh._local_tensor, fresh._spec
-            except RuntimeError:  # another device type: the new object replaces the old one
-                self.params[i] = fresh
-        self.grads.rebind_moved(old_shard_grad, had_grad)
-
-    def take_param_(self, i: int, param: torch.nn.Parameter) -> None:
-        """Make the object `param` sharded parameter `i`: it takes parameter i's contents
-        (`torch.utils.swap_tensors`, which raises RuntimeError where it cannot), so what holds
-        it (modules, optimizers) holds this buffer's parameter."""
-        torch.utils.swap_tensors(param, self.params[i])
-        self.params[i] = param
-
-    def config(self, indices: Sequence[int]) -> dict:
-        """The keyword arguments that make a buffer of this kind and policy holding only the
-        tensors `indices` (in that order)."""
-        cfg = dict(self._config)
-        for key in ("block_sizes", "tp"):
-            if cfg[key] is not None:
-                cfg[key] = [cfg[key][i] for i in indices]
-        return cfg
-
-    def holds(self, i: int) -> bool:
-        """Whether sharded parameter `i` still holds this buffer's memory (a view of the shard;
-        a dtype or device of its own answers no on every rank, also where it has no element)."""
-        p = self.params[i]
-        if p.dtype != self.dtype or p.device != self.device:
-            return False
-        local = p._local_tensor
-        return local.numel() == 0 or same_storage(local, self.shard)
-
-    def load_(self, i: int, value: torch.Tensor) -> None:
-        """Copy `value` into tensor `i`'s part of the shard (cast and moved as needed).
-
-        `value` is a DTensor on this buffer's mesh, redistributed first if its placements differ
-        from tensor `i`'s (a collective: every rank of the mesh loads it), or a plain tensor
-        holding the full value, of which each rank takes its own elements.
-        """
-        self.check_loadable(i, value)
-        p = self.params[i]
-        with torch.no_grad():
-            mesh = p.device_mesh
-            if not isinstance(value, DTensor):
-                src = self._full_value_local(i, value)
-            elif value.device_mesh != mesh:
-                raise ValueError(
-                    f"{self.entries[i].name}: cannot load a DTensor on {value.device_mesh} into "
-                    f"a parameter on {mesh}"
-                )
-            else:
-                if tuple(value.placements) != p.placements:
-                    value = redistribute(value, mesh, p.placements)
-                src = value._local_tensor
-            self._copy_local(i, src)
-
-    def check_loadable(self, i: int, value: torch.Tensor) -> None:
-        """Raise, without communication, if `load_(i, value)` cannot load `value`: ValueError
-        for another shape; RuntimeError, as torch's loaders, for a DTensor with tensor `i`'s
-        placements whose local tensor is not this rank's flat piece (what torch's
-        `DTensor.from_local` and torch's loaders make of a RaggedShard value: [Note: torch's
-        entry points without the routing], placement/torch_callers.py)."""
-        p = self.params[i]
-        name = self.entries[i].name
-        if value.shape != p.shape:
-            raise ValueError(
-                f"{name}: cannot load a tensor of shape {list(value.shape)} into a parameter of "
-                f"shape {list(p.shape)}"
-            )
-        local = value._local_tensor if isinstance(value, DTensor) else None
-        if (local is not None and any(isinstance(pl, RaggedShard) for pl in p.placements)
-                and tuple(value.placements) == p.placements
-                and (local.dim() != 1 or local.numel() != p._local_tensor.numel())):
-            raise RuntimeError(
-                f"{name}: the DTensor loaded into it has this parameter's placements "
-                f"{p.placements} but its local tensor has shape {list(local.shape)} where this "
-                f"rank holds {p._local_tensor.numel()} elements, flat: it was not sharded by "
-                "veragged (torch's full-state-dict loaders and DTensor.from_local slice a "
-                f"RaggedShard as a replica). {WAYS_OUT}"
-            )
-
-    def _full_value_local(self, i: int, value: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the full value of tensor `i` (`load_`)."""
-        p = self.params[i]
-        return distribute_tensor(value, p.device_mesh, p.placements,
-                                 src_data_rank=None)._local_tensor
-
-    def _copy_local(self, i: int, src: torch.Tensor) -> None:
-        """Copy this rank's part `src` into parameter `i`'s local tensor (`load_`)."""
-        self.params[i]._local_tensor.view(-1).copy_(src.reshape(-1))
 
     # --- views -------------------------------------------------------------------------------
 
@@ -402,11 +284,6 @@ class DBuffer:
             self._view_specs[key] = spec
         return RaggedDTensor(buf[a:b], spec, requires_grad=False)
 
-    def new_sharded_param(self, i: int) -> torch.nn.Parameter:
-        """A new sharded parameter object for tensor `i`, over the shard (the one in `params`
-        is not replaced)."""
-        return self._sharded_param(self.entries[i], self.shard)
-
     def _sharded_param(self, e: _Entry, buf: torch.Tensor) -> torch.nn.Parameter:
         dt = self.sharded_view(e, buf)
         trainable = buf.dtype.is_floating_point or buf.dtype.is_complex
@@ -432,7 +309,7 @@ class DBuffer:
     def set_runtime(self, rt) -> None:
         """Run collectives, accesses and releases through `rt` (`fully_shard`'s lazy init gives
         every buffer of a tree its root's `Streams`)."""
-        self.rt = rt
+        self.rt = self.grads.rt = rt
 
     def comm(self, kind: str):
         """The comm object collective `kind` ("all_gather" or "reduce_scatter") goes through,
@@ -445,11 +322,11 @@ class DBuffer:
         if _comm_kind(kind) == "all_gather":
             self.all_gather_comm = comm
         else:
-            self.reduce_scatter_comm = comm
+            self.reduce_scatter_comm = self.grads.rs_comm = comm
 
     def set_reduce_scatter_group(self, group: dist.ProcessGroup | None) -> None:
         """Reduce-scatter on `group` (the shard ranks; None: the shard group itself)."""
-        self.reduce_scatter_group = group
+        self.reduce_scatter_group = self.grads.rs_group = group
 
     def replica_dims(self) -> list[int]:
         """The mesh dims (of more than one rank) that replicate the group: HSDP all-reduces the

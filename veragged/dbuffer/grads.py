@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,7 @@ from veragged.runtime import trace as tr
 from veragged.runtime.streams import free_storage, same_storage
 
 if TYPE_CHECKING:
-    from veragged.dbuffer.buffer import DBuffer
+    from veragged.dbuffer.entries import Entry
 
 __all__ = ["Gradients"]
 
@@ -79,17 +79,50 @@ class Gradients:
     flight and what it leaves pending, and the sharded gradients (views of one buffer) it
     writes. The DBuffer makes one (`buffer.grads`); this object alone writes these fields.
 
-    It reads its DBuffer's layout and settings, never its state, through these members only:
-    `entries`, `params` (whose `.grad` it binds), `mesh`, `shard_dim`, `world`, `rank`,
-    `group`, `shard_size`, `dtype`, `device`, `compute_device`, `reduce_dtype`, `offload`,
-    `pin_memory`, `GRADS_RANK_MAJOR`, `replica_dims()`, `sharded_view()`, `rank_major()`, the
-    runtime `rt` and `key()` ([Note: streams and events]) and the reduce-scatter's
-    `reduce_scatter_comm` and `reduce_scatter_group` ([Note: custom comms]).
+    What it needs of its DBuffer it is given, and keeps: at construction the per-tensor
+    records and sharded parameters (`entries`, `params`: whose `.grad` it binds; the DBuffer's
+    own lists, which `apply_` updates in place), the shard group's geometry, the replica
+    groups HSDP all-reduces over, and how to view a slot as a sharded gradient and the gradient
+    buffer as rank-major slots (the DBuffer's `sharded_view` and `rank_major`, which its
+    subclasses define); at each `reset` the dtypes and devices the DBuffer's buffers were made
+    in; and from the DBuffer's setters the runtime (`rt`, [Note: streams and events]), the
+    reduce-scatter's comm and group ([Note: custom comms]) and the profiler ranges' suffix.
+
+    Args:
+        owner: the DBuffer whose `id` names this object's buffers to the runtime (`key`); it is
+            not otherwise read.
+        entries, params: the DBuffer's per-tensor records and sharded parameters.
+        world, rank, group, shard_size: the shard mesh dim's size, this rank's coordinate on
+            it, its process group, and S.
+        replica_groups: the process groups of the mesh dims (of more than one rank) that
+            replicate the DBuffer (HSDP), in mesh order.
+        replicas: the number of replicas (the product of the other mesh dims' sizes).
+        itemsize: the smallest dtype's size in play (a compacted slot's size rounds to it).
+        rank_major: whether the gradient buffer is the reduce-scatter input as it is (False: a
+            `ChunkedDBuffer`, whose gradients land in the full layout).
+        sharded_view, to_rank_major: the DBuffer's `sharded_view(entry, buffer, local)` and
+            `rank_major(full, slot)`.
+        offload, pin_memory: the shard and sharded gradients live in (pinned) host memory.
     """
 
-    def __init__(self, buffer: DBuffer, itemsize: int):
-        self._buf = buffer
-        # A compacted slot's size rounds to it (`itemsize`: the smallest dtype in play).
+    def __init__(self, owner: object, *, entries: Sequence[Entry], params: list,
+                 world: int, rank: int, group, shard_size: int, replica_groups: list,
+                 replicas: int, itemsize: int, rank_major: bool, sharded_view: Callable,
+                 to_rank_major: Callable, offload: bool, pin_memory: bool, rt):
+        self._owner = id(owner)
+        self._entries, self._params = entries, params
+        self.world, self.rank, self._group, self.shard_size = world, rank, group, shard_size
+        self._replica_groups, self._replicas = list(replica_groups), replicas
+        self._rank_major_grads = rank_major
+        self._view, self._to_rank_major = sharded_view, to_rank_major
+        self._offload, self._pin_memory = offload, pin_memory
+        self.rt = rt  # [Note: streams and events]; the DBuffer's `set_runtime` replaces it
+        self.rs_comm = None  # the reduce-scatter's comm object ([Note: custom comms])
+        self.rs_group = None  # the reduce-scatter's own process group (None: `group`)
+        self.trace_fqn = ""  # the profiler ranges' suffix ([Note: trace ranges])
+        # The buffers' dtypes and devices, given by `reset`.
+        self.dtype = self.device = self.compute_device = self.reduce_dtype = None
+        # A compacted slot's size rounds to it.
         self.slot_align = FLAG_ALIGN_BYTES // itemsize
         self.layout: GradLayout | None = None  # made by `reset` with the DBuffer's buffers
         self.flat: torch.Tensor | None = None  # the gradient buffer (reduce dtype, P slots)
@@ -105,6 +138,10 @@ class Gradients:
         self._reduce: InFlightReduce | None = None
         self._pending: PendingVerdicts | None = None
         self._landing: OffloadedLanding | None = None
+
+    def _key(self, name: str) -> tuple[int, str]:
+        """The runtime's name of one of these buffers (the DBuffer's `key`)."""
+        return (self._owner, name)
 
     @property
     def _shard_grad(self) -> torch.Tensor | None:
@@ -123,15 +160,19 @@ class Gradients:
         if self._pending is None and self._landing is None:
             self._shard_hold = None
 
-    def reset(self) -> None:
-        """(Re)make the gradient buffer, freed, in the DBuffer's reduce dtype on its compute
-        device, for the same mask (`DBuffer._make_buffers`): no gradient held, no HSDP sum."""
-        buf, old = self._buf, self.layout
+    def reset(self, *, dtype: torch.dtype, device: torch.device, compute_device: torch.device,
+              reduce_dtype: torch.dtype) -> None:
+        """(Re)make the gradient buffer, freed, in `reduce_dtype` on `compute_device`, for the
+        same mask (`DBuffer._make_buffers`, whose shard has `dtype` on `device`, as the sharded
+        gradients will): no gradient held, no HSDP sum."""
+        self.dtype, self.device = dtype, device
+        self.compute_device, self.reduce_dtype = compute_device, reduce_dtype
+        old = self.layout
         self._relayout(None if old is None else old.mask, True if old is None else old.with_flags)
-        self.flat = torch.empty(self.layout.numel, dtype=buf.reduce_dtype,
-                                device=buf.compute_device)
+        self.flat = torch.empty(self.layout.numel, dtype=self.reduce_dtype,
+                                device=self.compute_device)
         free_storage(self.flat)
-        self._landed = [True] * len(buf.entries)
+        self._landed = [True] * len(self._entries)
         self._shard_grad = None
         self._land_scale = 1.0
         self._zero = None
@@ -143,21 +184,19 @@ class Gradients:
         that had one."""
         if old is None or not any(had_grad):
             return
-        buf = self._buf
         self._shard_grad = self._new_shard_grad()
         with torch.no_grad():
             self._shard_grad.copy_(old)
-        for p, e, had, local in zip(buf.params, buf.entries, had_grad, self.layout.local):
+        for p, e, had, local in zip(self._params, self._entries, had_grad, self.layout.local):
             if had:
                 with torch._C.DisableTorchFunctionSubclass():
-                    p.grad = buf.sharded_view(e, self._shard_grad, local)
+                    p.grad = self._view(e, self._shard_grad, local)
         self._let_go()
 
     def _relayout(self, mask: Sequence[bool] | None, flags: bool) -> None:
-        buf = self._buf
         self.layout = plan_grad_layout(
-            buf.entries, shard_size=buf.shard_size, world=buf.world, rank=buf.rank,
-            rank_major=buf.GRADS_RANK_MAJOR, slot_align=self.slot_align, mask=mask, flags=flags)
+            self._entries, shard_size=self.shard_size, world=self.world, rank=self.rank,
+            rank_major=self._rank_major_grads, slot_align=self.slot_align, mask=mask, flags=flags)
         self._flag_index = None
 
     @property
@@ -194,18 +233,16 @@ class Gradients:
         """Allocate the gradient buffer (the reduce dtype), unzeroed: gradients land by `land`,
         multiplied by `scale` (see `landing_scale`), and the rest is zeroed before the
         reduction ([Note: gradient landing])."""
-        buf = self._buf
-        buf.rt.alloc(buf.key("grads"), self.flat)
-        self._landed = [False] * len(buf.entries)
+        self.rt.alloc(self._key("grads"), self.flat)
+        self._landed = [False] * len(self._entries)
         self._land_scale = scale
 
     def zero(self) -> None:
         """Allocate and zero the gradient buffer (one launch): every tensor counts as landed,
         so `land` adds into it."""
-        buf = self._buf
-        buf.rt.alloc(buf.key("grads"), self.flat)
+        self.rt.alloc(self._key("grads"), self.flat)
         ops.zero_ranges_(self.flat, [(0, self.flat.numel())])
-        self._landed = [True] * len(buf.entries)
+        self._landed = [True] * len(self._entries)
         self._land_scale = 1.0
 
     def landing_scale(self, divide_factor: float | None = None, allowed: bool = True) -> float:
@@ -213,10 +250,7 @@ class Gradients:
         when that is a power of two, so that scaling before the SUM gives the bits scaling after
         it would (short of subnormals) and the reduce-scatter can write the sharded gradients
         with no pass of its own; else 1.0."""
-        buf = self._buf
-        replicas = math.prod(buf.mesh.size(d) for d in range(buf.mesh.ndim)
-                             if d != buf.shard_dim)
-        factor = float(divide_factor) if divide_factor is not None else buf.world * replicas
+        factor = float(divide_factor) if divide_factor is not None else self.world * self._replicas
         if not allowed or factor <= 0 or math.frexp(factor)[0] != 0.5:
             return 1.0
         return 1.0 / factor
@@ -233,16 +267,15 @@ class Gradients:
         tensor i's range, all in one `land_` launch ([Note: gradient landing])."""
         if not grads:
             return
-        with tr.trace(tr.LAND_GRADS, self._buf.trace_fqn):
+        with tr.trace(tr.LAND_GRADS, self.trace_fqn):
             self._land(grads)
 
     def _land(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
-        buf = self._buf
         self._make_room([i for i, _ in grads])
         srcs: list[torch.Tensor] = []
         pieces: list[int] = []
         for i, grad in grads:
-            tp = buf.entries[i].tp
+            tp = self._entries[i].tp
             if tp is not None:  # a DTensor on the TP mesh: [Note: FSDP over TP]
                 grad = tp.local_grad(grad)
             if grad.dtype not in ops.LAND_DTYPES or self.flat.dtype not in ops.LAND_DTYPES:
@@ -254,21 +287,20 @@ class Gradients:
                 pieces += (j, a, d, k, add)
             self._landed[i] = True
         if srcs:
-            buf.rt.write(buf.key("grads"))
+            self.rt.write(self._key("grads"))
             ops.land_(self.flat, srcs, pieces, self._land_scale)
 
     def land_one(self, i: int, grad: torch.Tensor, local: bool = False) -> None:
         """Write (first gradient since allocation) or add `grad` into tensor `i`'s range, by
         torch's ops, one per piece (`land` lands several tensors in one launch); `local`: a TP
         gradient already made local."""
-        buf = self._buf
         self._make_room([i])
-        tp = buf.entries[i].tp
+        tp = self._entries[i].tp
         if tp is not None and not local:  # a DTensor on the TP mesh: [Note: FSDP over TP]
             grad = tp.local_grad(grad)
         flat, G = grad.reshape(-1), self.flat
         parts = [(G[d : d + k], flat[a : a + k]) for a, d, k in self.layout.land[i]]
-        buf.rt.write(buf.key("grads"))
+        self.rt.write(self._key("grads"))
         with torch.no_grad():
             if self._landed[i]:
                 for view, g in parts:
@@ -285,10 +317,10 @@ class Gradients:
         lay, landed = self.layout, tuple(self._landed)
         ranges = lay.unlanded.get(landed)
         if ranges is None:
-            ranges = lay.unlanded[landed] = lay.unlanded_ranges(self._buf.entries, landed)
+            ranges = lay.unlanded[landed] = lay.unlanded_ranges(self._entries, landed)
         if ranges:
             ops.zero_ranges_(self.flat, ranges)
-        self._landed = [True] * len(self._buf.entries)
+        self._landed = [True] * len(self._entries)
 
     # --- layout per backward -----------------------------------------------------------------
 
@@ -300,9 +332,8 @@ class Gradients:
         parameters]). Gradients kept across a change (no-sync micro-batches, an HSDP sum
         awaiting its all-reduce, sharded `.grad`s) move to the new layout; a tensor losing its
         room keeps its sharded `.grad` as a copy of its own."""
-        buf = self._buf
         mask = tuple(bool(m) for m in mask)
-        if not buf.GRADS_RANK_MAJOR:
+        if not self._rank_major_grads:
             mask = self.layout.mask  # its gradients stay in the full layout
         if mask == self.layout.mask and bool(flags) == self.layout.with_flags:
             return
@@ -311,12 +342,12 @@ class Gradients:
         old = self.layout
         old_flat = self.flat if self.allocated else None
         old_partial, old_shard = self._partial, self._shard_grad
-        bound = [self._bound(p) for p in buf.params]  # views of old_shard
+        bound = [self._bound(p) for p in self._params]  # views of old_shard
         self._relayout(mask, flags)
-        self.flat = torch.empty(self.layout.numel, dtype=buf.reduce_dtype,
-                                device=buf.compute_device)
+        self.flat = torch.empty(self.layout.numel, dtype=self.reduce_dtype,
+                                device=self.compute_device)
         keep = [i for i, (m, o) in enumerate(zip(mask, old.mask)) if m and o]  # room in both
-        pin = buf.pin_memory
+        pin = self._pin_memory
         if old_flat is not None:  # gradients accumulating without sync: move them
             moves = self.layout.moves_from(old, keep)
             ops.zero_ranges_(self.flat, [(0, self.flat.numel())])
@@ -329,14 +360,14 @@ class Gradients:
             self._partial = self.layout.moved_slot(old_partial, old, keep, pin)
         if old_shard is not None:
             self._shard_grad = self.layout.moved_slot(old_shard, old, keep, pin)
-            for i, (p, e) in enumerate(zip(buf.params, buf.entries)):
+            for i, (p, e) in enumerate(zip(self._params, self._entries)):
                 if not bound[i]:
                     continue
                 if mask[i]:
-                    p.grad = buf.sharded_view(e, self._shard_grad, self.layout.local[i])
+                    p.grad = self._view(e, self._shard_grad, self.layout.local[i])
                 else:  # no room any more: the gradient keeps its values in its own memory
                     a, b = old.local[i]
-                    p.grad = buf.sharded_view(e, old_shard[a:b].clone(), (0, b - a))
+                    p.grad = self._view(e, old_shard[a:b].clone(), (0, b - a))
             self._let_go()
 
     # --- sharded gradients -------------------------------------------------------------------
@@ -354,9 +385,8 @@ class Gradients:
     def _new_shard_grad(self) -> torch.Tensor:
         """The sharded gradients' buffer: Sg elements, then room for the F flags the
         reduce-scatter writes when it writes the sharded gradients directly."""
-        buf = self._buf
-        return ops.aligned_empty(self.layout.slot + self.layout.flags, buf.dtype, buf.device,
-                             pin_memory=buf.pin_memory)
+        return ops.aligned_empty(self.layout.slot + self.layout.flags, self.dtype, self.device,
+                             pin_memory=self._pin_memory)
 
     def _write_shard_grad(self, reduced: torch.Tensor, add: bool, scale, fresh) -> None:
         """Write this rank's Sg reduced gradient elements into the shard gradient: added to the
@@ -376,9 +406,8 @@ class Gradients:
         are not already); with `accumulate`, a gradient the user assigned (not a view of this
         buffer) is added in first, as torch's FSDP2 adds the reduced gradient to an existing
         sharded `.grad`."""
-        buf = self._buf
         for i in indices:
-            p, e = buf.params[i], buf.entries[i]
+            p, e = self._params[i], self._entries[i]
             if self._bound(p):
                 continue
             a, b = self.layout.local[i]
@@ -390,7 +419,7 @@ class Gradients:
                         f"elements ({p.placements}), got a tensor of shape {list(old.shape)}"
                     )
                 self._shard_grad[a:b].add_(old.reshape(-1))
-            p.grad = buf.sharded_view(e, self._shard_grad, (a, b))
+            p.grad = self._view(e, self._shard_grad, (a, b))
 
     # --- reduction ---------------------------------------------------------------------------
 
@@ -442,27 +471,26 @@ class Gradients:
         reach (None: every tensor counts as reached): see [Note: unreached parameters].
         """
         self.finish_reduce()
-        buf, lay = self._buf, self.layout
+        lay = self.layout
         S = lay.slot
         if not lay.with_flags:  # laid out without flags: every tensor counts as reached
             unreached = None
-        buf.rt.write(buf.key("grads"))  # the zeros and flags below, on the current stream
+        self.rt.write(self._key("grads"))  # the zeros and flags below, on the current stream
         if self.allocated:
             self._zero_unlanded()
-        if buf.GRADS_RANK_MAJOR:
+        if self._rank_major_grads:
             source = self.flat
         else:
-            source = buf.rank_major(self.flat, S + lay.flags)
+            source = self._to_rank_major(self.flat, S + lay.flags)
         self._write_flags(source, unreached)
-        replicas = math.prod(buf.mesh.size(d) for d in buf.replica_dims())
         if divide_factor is not None:
             scale = 1.0 / divide_factor
         else:
-            scale = 1.0 / (buf.world * replicas) if average else 1.0
+            scale = 1.0 / (self.world * self._replicas) if average else 1.0
         scale /= self._land_scale
-        comm = buf.reduce_scatter_comm if buf.world > 1 else None  # [Note: custom comms]
-        comm = comm if comms.stages(comm, buf.compute_device) else None
-        if self._shard_grad is not None and not any(self._bound(p) for p in buf.params):
+        comm = self.rs_comm if self.world > 1 else None  # [Note: custom comms]
+        comm = comm if comms.stages(comm, self.compute_device) else None
+        if self._shard_grad is not None and not any(self._bound(p) for p in self._params):
             # No `.grad` is a view of it any more (zero_grad(set_to_none=True)): the gradients
             # get fresh memory, as torch's get a fresh reduce-scatter output, so a reference
             # the user kept to an earlier `.grad` keeps its values.
@@ -470,25 +498,25 @@ class Gradients:
         # Offloaded buffers never reduce into the shard gradient directly: on a device it lives
         # on the host, and a CPU mesh takes the same path ([Note: offloaded gradients]).
         direct = (
-            comm is None and buf.world > 1 and scale == 1.0 and buf.reduce_dtype == buf.dtype
-            and not buf.offload and self._partial is None
-            and (all_reduce or not buf.replica_dims())
-            and not (accumulate and any(self._bound(p) for p in buf.params))
+            comm is None and self.world > 1 and scale == 1.0 and self.reduce_dtype == self.dtype
+            and not self._offload and self._partial is None
+            and (all_reduce or not self._replica_groups)
+            and not (accumulate and any(self._bound(p) for p in self._params))
         )
         # On the reduce-scatter stream, after the gradients landed: [Note: streams and events]
-        rt = buf.rt
+        rt = self.rt
         rs = rt.stream("reduce_scatter")
         rt.reclaim(rs)  # outputs of earlier reductions, once the current stream is done
         rt.wait(rt.record(), rs)
         with rt.use(rs):
             reduced, source, temp = self._launch_reduce(direct, comm, source, S)
             handle = rt.handle(None)
-            if buf.world > 1:
+            if self.world > 1:
                 starts = None if comm is not None or lay.uniform else lay.starts
                 work = comms.reduce_scatter(comm, reduced, source,
-                                            buf.reduce_scatter_group or buf.group, starts)
-                rt.accesses("reduce_scatter", reads=(buf.key("staged_grads" if comm else "grads"),),
-                          writes=(buf.key("shard_grad" if direct else "reduced"),))
+                                            self.rs_group or self._group, starts)
+                rt.accesses("reduce_scatter", reads=(self._key("staged_grads" if comm else "grads"),),
+                          writes=(self._key("shard_grad" if direct else "reduced"),))
                 handle = rt.handle(work)
         self._reduce = InFlightReduce(handle, source, temp, reduced, direct, accumulate, scale,
                                       all_reduce, unreached)
@@ -498,23 +526,22 @@ class Gradients:
     def _launch_reduce(self, direct: bool, comm, source: torch.Tensor, S: int):
         """The reduce-scatter's output (allocated on the reduce-scatter stream, current here)
         and input: (output, input, the output if it is a temporary to release after use)."""
-        buf = self._buf
         if direct:  # the reduce-scatter writes the sharded gradients
             sg = self._shard_grad
             self._shard_grad = sg = self._new_shard_grad() if sg is None else sg  # held
             return sg, source, None
-        if buf.world == 1:
+        if self.world == 1:
             return source, source, None
         if comm is not None:  # staged in the comm's buffers, flags included
             lay = self.layout
-            buf.rt.accesses("copy", reads=(buf.key("grads"),), writes=(buf.key("staged_grads"),))
-            source = comms.stage(comm, source, buf.world, max(lay.sizes) + lay.flags,
+            self.rt.accesses("copy", reads=(self._key("grads"),), writes=(self._key("staged_grads"),))
+            source = comms.stage(comm, source, self.world, max(lay.sizes) + lay.flags,
                                  None if lay.uniform else lay.starts)
-            reduced = comms.allocate(comm, source.numel() // buf.world, buf.reduce_dtype,
-                                     buf.compute_device)
+            reduced = comms.allocate(comm, source.numel() // self.world, self.reduce_dtype,
+                                     self.compute_device)
             return reduced, source, reduced
-        reduced = torch.empty(S + self.layout.flags, dtype=buf.reduce_dtype,
-                              device=buf.compute_device)
+        reduced = torch.empty(S + self.layout.flags, dtype=self.reduce_dtype,
+                              device=self.compute_device)
         return reduced, source, reduced
 
     def finish_reduce(self, bind: Sequence[bool] | None = None, hook=None,
@@ -537,45 +564,66 @@ class Gradients:
         done = self.resolve()
         if self._reduce is None:
             return done
-        with tr.trace(tr.FINISH_REDUCE, self._buf.trace_fqn):
+        with tr.trace(tr.FINISH_REDUCE, self.trace_fqn):
             return self._finish_reduce(done, bind, hook, defer)
 
     def _finish_reduce(self, done: list[bool], bind, hook, defer: bool) -> list[bool]:
+        """The steps of `finish_reduce`, each one method below."""
         red, self._reduce = self._reduce, None
-        buf, lay = self._buf, self.layout
-        rt = buf.rt
-        handle, reduced = red.handle, red.reduced
-        rkey = buf.key("shard_grad" if red.direct else "reduced")
-        S, F = lay.slot, lay.flags
-        n = len(buf.params)
-        replica_dims = buf.replica_dims()
-        if replica_dims and not red.all_reduce:
-            # HSDP micro-batch without the all-reduce (set_requires_all_reduce(False)): keep the
-            # reduce-scattered sum (and flags) aside, as torch does; the next all-reducing
-            # micro-batch adds it in before its all-reduce. The sharded gradients are not
-            # touched until then.
-            rt.wait_for(handle)
-            rt.read(rkey)
-            if self._partial is None:
-                self._partial = reduced[: S + F].clone()
-            else:
-                self._partial.add_(reduced[: S + F])
-            self._release_reduced(red.temp)
+        if self._replica_groups and not red.all_reduce:
+            self._set_aside(red)  # an HSDP micro-batch without its all-reduce
             return done
-        if replica_dims:  # HSDP: the all-reduce on its own stream, after what it reduces
+        reduced = self._wait_reduced(red)  # reduce-scatter, and HSDP all-reduce, done
+        if hook is not None:
+            self._run_hook(hook, reduced)  # torch's set_all_reduce_hook
+        bind = self._bindable(bind)
+        asked = self._awaiting_verdict(red, bind)  # unreached here: the flags decide
+        verdict = self._read_verdicts(reduced) if asked else None
+        now = self._write_and_bind(red, reduced, bind, asked, defer)
+        self._release_reduced(red.temp)
+        if asked and verdict is not None:
+            self._pending = PendingVerdicts(verdict, [(i, self.layout.flag_of[i]) for i in asked],
+                                            red.accumulate)
+        if (self._pending is not None or self._landing is not None) and not defer:
+            now = [a or b for a, b in zip(now, self.resolve())]
+        self._let_go()
+        return [a or b for a, b in zip(done, now)]
+
+    def _set_aside(self, red: InFlightReduce) -> None:
+        """HSDP micro-batch without the all-reduce (`set_requires_all_reduce(False)`): keep the
+        reduce-scattered sum (and flags) aside, as torch does; the next all-reducing
+        micro-batch adds it in before its all-reduce. The sharded gradients are not touched
+        until then."""
+        F = self.layout.slot + self.layout.flags
+        self.rt.wait_for(red.handle)
+        self.rt.read(self._key("shard_grad" if red.direct else "reduced"))
+        if self._partial is None:
+            self._partial = red.reduced[:F].clone()
+        else:
+            self._partial.add_(red.reduced[:F])
+        self._release_reduced(red.temp)
+
+    def _wait_reduced(self, red: InFlightReduce) -> torch.Tensor:
+        """Order the current stream after the reduction and return this rank's reduced slot
+        (Sg gradient elements, then F flags). HSDP: first a sum kept aside is added in, then
+        the slot is all-reduced over each replica dim, on the all-reduce stream after what it
+        reduces ([Note: streams and events])."""
+        rt, S, F = self.rt, self.layout.slot, self.layout.flags
+        handle, reduced = red.handle, red.reduced
+        rkey = self._key("shard_grad" if red.direct else "reduced")
+        if self._replica_groups:
             if self._partial is not None:  # the kept sums, added on the current stream
                 rt.wait_for(handle)
                 rt.read(rkey)
                 reduced = reduced[: S + F] + self._partial
                 self._partial = None
-                rkey = buf.key("partial_sum")
+                rkey = self._key("partial_sum")
                 rt.write(rkey)
                 handle = rt.handle(None)
             ar = rt.stream("all_reduce")
-            for d in replica_dims:
+            for group in self._replica_groups:
                 rt.wait_for(handle, ar)  # after the reduce-scatter, or the previous dim's
                 with rt.use(ar):
-                    group = buf.mesh.get_group(d)
                     work = comms.named(dist.all_reduce(reduced, op=dist.ReduceOp.SUM,
                                                        group=group, async_op=True),
                                        "all_reduce", group)
@@ -584,67 +632,81 @@ class Gradients:
         rt.wait_for(handle)
         red.source = None  # the reduce-scatter's input may go: it completed
         rt.read(rkey)
-        if hook is not None:
-            fn, stream = hook
-            if stream is None:
+        return reduced
+
+    def _run_hook(self, hook, reduced: torch.Tensor) -> None:
+        """`hook` = (fn, stream): `fn(reduced)` in `stream`'s context (None: the current one)."""
+        fn, stream = hook
+        if stream is None:
+            fn(reduced)
+        else:
+            with torch.get_device_module(self.compute_device.type).stream(stream):
                 fn(reduced)
-            else:
-                with torch.get_device_module(buf.compute_device.type).stream(stream):
-                    fn(reduced)
-        bind = [True] * n if bind is None else list(bind)
-        bind = [b and m for b, m in zip(bind, lay.mask)]  # no room, no gradient
-        # Tensors this rank did not reach take the verdict of the flags: read once, for all.
+
+    def _bindable(self, bind: Sequence[bool] | None) -> list[bool]:
+        """Per tensor, whether it may receive its gradient: as `bind` says (default: every
+        one), and only with room in the gradient buffer ([Note: compacted gradients])."""
+        bind = [True] * len(self._params) if bind is None else list(bind)
+        return [b and m for b, m in zip(bind, self.layout.mask)]
+
+    def _awaiting_verdict(self, red: InFlightReduce, bind: Sequence[bool]) -> list[int]:
+        """The tensors to bind that this rank's backward did not reach: their gradient exists
+        only if some rank reached them ([Note: unreached parameters]). On a mesh of one rank
+        (no flags) its own backward is the verdict: they get none, and none is asked."""
         unreached = red.unreached
-        asked = [] if unreached is None else [i for i in range(n) if bind[i] and unreached[i]]
-        verdict = None
-        if asked and F:
-            verdict = start_read(reduced[S : S + F] != 0)
-        # Offloaded (the optimizer steps on host shards) inside backward: the reduced gradients
-        # go to the host without waiting for them ([Note: offloaded gradients]).
-        land_later = buf.offload and defer and not red.direct
+        if unreached is None:
+            return []
+        return [i for i, (b, u) in enumerate(zip(bind, unreached)) if b and u]
+
+    def _read_verdicts(self, reduced: torch.Tensor) -> object | None:
+        """Start reading the verdict flags of `reduced` to the host, all of them at once (None
+        without flags: a mesh of one rank)."""
+        S, F = self.layout.slot, self.layout.flags
+        return start_read(reduced[S : S + F] != 0) if F else None
+
+    def _write_and_bind(self, red: InFlightReduce, reduced: torch.Tensor,
+                        bind: Sequence[bool], asked: Sequence[int], defer: bool) -> list[bool]:
+        """Write the reduced gradients into the sharded gradients and bind those of the tensors
+        in `bind` but not in `asked` (which wait for their verdict); returns, per tensor,
+        whether its gradient was written now. Offloaded inside backward (`defer`), the reduced
+        gradients go to the host without a wait and are written and bound at `resolve`
+        ([Note: offloaded gradients])."""
+        lay, n = self.layout, len(self._params)
+        S = lay.slot
+        land_later = self._offload and defer and not red.direct
         if land_later:
             arriving = start_copy_to_host(reduced[:S])
-        elif reduced.device != buf.device:  # offloaded, outside backward: here and now
-            reduced = reduced[:S].to(buf.device)
+        elif reduced.device != self.device:  # offloaded, outside backward: here and now
+            reduced = reduced[:S].to(self.device)
         sg = self._shard_grad
         self._shard_grad = self._new_shard_grad() if sg is None else sg  # held until bound
         # Sharded gradients that are not this buffer's views start again from zero (in the
         # accumulating pass below): every tensor that may be bound now or after its verdict.
-        fresh = [lay.local[i] for i, (p, b) in enumerate(zip(buf.params, bind))
+        fresh = [lay.local[i] for i, (p, b) in enumerate(zip(self._params, bind))
                  if b and not self._bound(p)]
         if not red.direct:
-            rt.write(buf.key("shard_grad"))
+            self.rt.write(self._key("shard_grad"))
         # Some sharded gradients (of any tensor, reached or not) hold earlier sums: add to them.
-        add = red.accumulate and any(self._bound(p) for p in buf.params)
+        add = red.accumulate and any(self._bound(p) for p in self._params)
         if not red.direct and not land_later:
             self._write_shard_grad(reduced[:S], add, red.scale, fresh)
-        now = list(bind)
-        for i in asked:
-            now[i] = False
-        if verdict is None and asked:  # a mesh of one rank: its own backward is the verdict
-            asked = []
-        bound_now = [i for i in range(n) if now[i]]
+        waiting = set(asked)
+        bound_now = [i for i in range(n) if bind[i] and i not in waiting]
         if land_later:
             self._landing = OffloadedLanding(arriving, add, red.scale, fresh, bound_now,
                                              red.accumulate)
-            now = [False] * n
-        else:
-            self._bind_grads(bound_now, red.accumulate)
-        self._release_reduced(red.temp)
-        if asked:
-            self._pending = PendingVerdicts(verdict, [(i, lay.flag_of[i]) for i in asked],
-                                            red.accumulate)
-        if (asked or land_later) and not defer:
-            late = self.resolve()
-            now = [a or b for a, b in zip(now, late)]
-        self._let_go()
-        return [a or b for a, b in zip(done, now)]
+            return [False] * n
+        self._bind_grads(bound_now, red.accumulate)
+        now = [False] * n
+        for i in bound_now:
+            now[i] = True
+        return now
 
     def _release_reduced(self, temp: torch.Tensor | None) -> None:
         """Free the gradient buffer (allocated and last read on the current stream, which the
         reduce-scatter's event ordered after the reduction) and release a temporary
         reduce-scatter output to the reduce-scatter stream ([Note: streams and events])."""
-        rt, key = self._buf.rt, self._buf.key
+        rt, key = self.rt, self._key
         rt.free(key("grads"), self.flat)
         if temp is not None:
             rt.release(key("reduced"), temp, rt.stream("reduce_scatter"), "drop")
@@ -655,12 +717,12 @@ class Gradients:
         for their verdict ([Note: unreached parameters]); returns, per tensor, whether its
         gradient was written now."""
         if self._landing is None and self._pending is None:
-            return [False] * len(self._buf.params)
-        with tr.trace(tr.RESOLVE_GRADS, self._buf.trace_fqn):
+            return [False] * len(self._params)
+        with tr.trace(tr.RESOLVE_GRADS, self.trace_fqn):
             return self._resolve()
 
     def _resolve(self) -> list[bool]:
-        written = [False] * len(self._buf.params)
+        written = [False] * len(self._params)
         landing, self._landing = self._landing, None
         if landing is not None:
             host = landing.arriving.wait()
