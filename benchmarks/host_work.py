@@ -3,8 +3,9 @@
 On a GPU a step with many small tensors is bound by what the host issues: kernel launches and
 Python. This counts both, per phase of a step (forward, backward, clipping with torch's
 `clip_grad_norm_`, `optimizer.step()` + `zero_grad()`), for the MoE model of
-`benchmarks/fsdp_step.py` (1053 tensors by default; `--model llama` for few large ones), both
-sides built in the same ranks with `torch.optim.AdamW` (foreach, the default):
+`benchmarks/fsdp_step.py` (1053 tensors by default; `--model moe-small` for 60 small experts per
+layer, 1007 tensors; `--model llama` for few large ones), both sides built in the same ranks with
+`torch.optim.AdamW` (foreach, the default):
   launches   ops that would launch a kernel on a device: every dispatched aten/veragged op
              except views, metadata changes and bare allocations (collectives apart), counted by
              `veragged.tools.write_counter.LaunchCounter` below the DTensor layer (local tensors' ops);
@@ -17,6 +18,11 @@ sides built in the same ranks with `torch.optim.AdamW` (foreach, the default):
              steps (on the CPU it includes the kernels themselves: the small MoE keeps them
              cheap, so it is mostly host time).
 Per step, on rank 0 (counts are the same on every rank here). Prints a table and one JSON line.
+Both sides share one process, and with it torch's DTensor sharding cache: clipping's
+`torch.stack` of the per-parameter norms finds the entry the side that ran first (torch, in the
+warm-up) made, and the other side's norm specs are equal but not the same objects, so it pays a
+Python spec comparison per tensor (about 1 ms for 1000 norms) that it does not pay in a process
+of its own.
 Default: 2 ranks, moe, 4 timed steps (about a minute on 2 idle cores).
 """
 
@@ -39,6 +45,13 @@ import fsdp_step  # noqa: E402  (the models and how both sides shard them)
 from veragged.tools.write_counter import LaunchCounter  # noqa: E402
 
 PHASES = ("forward", "backward", "clip", "optim")
+# The models (fsdp_step.py builds them): `moe-small` is fsdp_step's MoE with 60 experts of
+# width 8 per layer, the many-small-experts case of issue 42's clipping target.
+SPECS = {
+    "moe": {"dim": 64, "layers": 14, "experts": 16, "hidden": 32},
+    "moe-small": {"dim": 32, "layers": 4, "experts": 60, "hidden": 8},
+    "llama": {"dim": 128, "layers": 2},
+}
 SIDES = ("torch", "veragged")
 
 
@@ -155,15 +168,16 @@ def _worker(model_name: str, spec: dict, steps: int, device: str = "cpu"):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2, help="gloo ranks (default 2)")
-    parser.add_argument("--model", default="moe", choices=("moe", "llama"))
+    parser.add_argument("--model", default="moe", choices=tuple(SPECS),
+                        help="moe (1053 tensors), moe-small (many small experts, 1007 "
+                             "tensors) or llama (17 large ones)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per side (4)")
     fsdp_step.add_device_argument(
         parser, "; on a GPU the host ms are what the host takes to issue each phase")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     args = parser.parse_args(argv)
     run_job = fsdp_step.rank_runner(parser, args, timeout=600)
-    spec = ({"dim": 64, "layers": 14, "experts": 16, "hidden": 32} if args.model == "moe"
-            else {"dim": 128, "layers": 2})
+    spec = SPECS[args.model]
     res = run_job(_worker, args.model, spec, args.steps, args.device)[0]
     rows = []
     for p in PHASES:

@@ -87,6 +87,22 @@ class ExtensionDBuffer(DBuffer):
     the module holding it: the hooks' `module`), `mp_policy` (the hooks' `mp_policy`) and
     `locals_` (per tensor, this rank's chunk to use as the local tensor; default: chunks of the
     given tensors). See [Note: all-gather extensions].
+
+    What differs from a DBuffer, all of it here (the gradient side, `Gradients`, is the same):
+    - layout (`_place`, `_chunk`): each tensor a padded `Shard(0)` chunk per rank, not a
+      planned range; `GRADS_RANK_MAJOR` False and `rank_major` give the gradient buffer in the
+      full layout, the verdict flags added in its rank-major copy;
+    - parameters (`_make_buffers`, `_param`, `sharded_view`): the sharded parameters are
+      torch `Shard(0)` DTensors over the given local tensors (which carry the hooks), not views
+      of one shard buffer; `MAKES_UNSHARDED` True: the unsharded parameters are what
+      `fsdp_post_all_gather` returns, made at the first all-gather;
+    - unshard (`unshard`, `_inputs`, `wait_unshard`, `_post_all_gather`, `gathering`,
+      `is_unsharded`, `shard_mesh`): the hooks' inputs packed as bytes in one all-gather,
+      their outputs handed to `fsdp_post_all_gather`;
+    - reshard (`reshard`, `_release`, `_release_storage`): frees the outputs and inner tensors;
+    - module and state-dict operations (`apply_`, `take_local_`, `holds`,
+      `_full_value_local`, `_copy_local`): on the local tensors, which are not views of a
+      shard buffer.
     """
 
     GRADS_RANK_MAJOR = False  # gradients land in the full layout; `rank_major` adds the flags

@@ -44,6 +44,21 @@ buffer living through forward into the next backward; the next reduction allocat
 (on the reduce-scatter stream, ordered after the current stream's earlier work as torch's
 output is). `set_to_none=False` and gradient accumulation across steps keep the views, and so
 the buffer and its sums. A `.grad` the user replaced is not a view and does not count.
+
+[Note: grad verdicts for optimizers]
+Muon, Shampoo, SOAP and AdamW8bit must agree across a parameter's ranks whether it has a
+gradient ([Note: symmetric grad presence], optim/common.py), which costs them an all-reduce per
+step unless they know. After a backward under fully_shard they know: every rank read the same
+grad/None verdicts from the reduce-scatter ([Note: unreached parameters]). So when a backward
+iteration ends with nothing pending, each group's Gradients records, per tensor, whether its
+parameter has a gradient (`verdicts`, the same list on every rank) and puts `(gradients, i)` on
+the parameter (`GRAD_VERDICT`); with `grad_agreement="auto"` an optimizer takes a record no
+step has used yet (`fresh`) instead of the all-reduce, and its step (or its `zero_grad`) uses it
+up, so a later step without a backward agrees by the all-reduce again. A rank whose `.grad`
+presence no longer matches a fresh record (dropped or set by hand since the backward, or the
+module's `zero_grad()` before the step) raises before any collective of the step: the ranks may
+have changed it differently, and an all-reduce on some ranks only would pair with another
+collective on the others; `grad_agreement="mesh"` handles such gradients.
 """
 
 from __future__ import annotations
@@ -59,12 +74,14 @@ from torch.distributed.tensor import DTensor
 from veragged.dbuffer import comms, ops
 from veragged.dbuffer.grad_layout import FLAG_ALIGN_BYTES, GradLayout, plan_grad_layout
 from veragged.dbuffer.inflight import (
+    HostCopy,
     InFlightReduce,
     OffloadedLanding,
     PendingVerdicts,
     start_copy_to_host,
     start_read,
 )
+from veragged.placement.tensor import GRAD_VERDICT
 from veragged.runtime import trace as tr
 from veragged.runtime.streams import free_storage, same_storage
 
@@ -138,6 +155,10 @@ class Gradients:
         self._reduce: InFlightReduce | None = None
         self._pending: PendingVerdicts | None = None
         self._landing: OffloadedLanding | None = None
+        # [Note: grad verdicts for optimizers]: per tensor, whether it had a gradient when the
+        # last backward ended (None: no record), and whether an optimizer may still take it.
+        self.verdicts: list[bool] | None = None
+        self.fresh: list[bool] = []
 
     def _key(self, name: str) -> tuple[int, str]:
         """The runtime's name of one of these buffers (the DBuffer's `key`)."""
@@ -710,6 +731,24 @@ class Gradients:
         rt.free(key("grads"), self.flat)
         if temp is not None:
             rt.release(key("reduced"), temp, rt.stream("reduce_scatter"), "drop")
+
+    @property
+    def pending_reads(self) -> list[HostCopy]:
+        """The host copies `resolve` will wait for (verdicts, offloaded gradients)."""
+        reads = [] if self._pending is None else [self._pending.reached]
+        return reads if self._landing is None else reads + [self._landing.arriving]
+
+    def record_verdicts(self) -> None:
+        """At the end of a backward iteration: note, per tensor, whether its parameter has a
+        gradient, for the optimizers ([Note: grad verdicts for optimizers]); no record while
+        a reduction or a verdict is still pending."""
+        if self._reduce is not None or self._pending is not None or self._landing is not None:
+            self.verdicts, self.fresh = None, []
+            return
+        self.verdicts = [p.grad is not None for p in self._params]
+        self.fresh = [True] * len(self.verdicts)
+        for i, p in enumerate(self._params):
+            setattr(p, GRAD_VERDICT, (self, i))
 
     def resolve(self) -> list[bool]:
         """Write and bind what `finish_reduce(defer=True)` left pending: offloaded gradients

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 __all__ = [
     "HostCopy", "InFlightReduce", "OffloadedLanding", "PendingVerdicts", "PostForwardChunk",
-    "StagedGather", "start_copy_to_host", "start_read",
+    "StagedGather", "start_copy_to_host", "start_read", "wait_all",
 ]
 
 
@@ -34,17 +34,35 @@ class PostForwardChunk(NamedTuple):
     versions: tuple[int, ...]
 
 
-class HostCopy(NamedTuple):
+class HostCopy:
     """A copy into host memory: the host tensor, and the event to wait for before reading it
-    (None: the copy is done, on the CPU)."""
+    (None: the copy is done, or on the CPU)."""
 
-    host: torch.Tensor
-    event: object | None
+    __slots__ = ("host", "event")
+
+    def __init__(self, host: torch.Tensor, event: object | None):
+        self.host, self.event = host, event
 
     def wait(self) -> torch.Tensor:
         if self.event is not None:
             self.event.synchronize()
+            self.event = None
         return self.host
+
+
+def wait_all(copies: Sequence[HostCopy | None]) -> None:
+    """Wait for several copies with one host sync: their events were recorded in this order on
+    one stream (the backward's), so the last one covers the others, which are then checked
+    without blocking (one that is not done is waited for: another stream)."""
+    pending = [c for c in copies if c is not None and c.event is not None]
+    if not pending:
+        return
+    pending[-1].wait()
+    for c in pending[:-1]:
+        if c.event.query():
+            c.event = None
+        else:
+            c.wait()
 
 
 def start_copy_to_host(t: torch.Tensor) -> HostCopy:

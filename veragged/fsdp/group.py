@@ -408,6 +408,7 @@ class ParamGroup:
             self.buffer.reshard()
         if last:  # a later backward of this forward may still prefetch by them
             self.post_forward_indices.clear()
+            self.buffer.grads.record_verdicts()  # [Note: grad verdicts for optimizers]
         self.training_state = TrainingState.IDLE
 
     def reset(self) -> None:

@@ -70,6 +70,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.utils import _apply_to_tensors
 
+from veragged.dbuffer.inflight import wait_all
 from veragged.fsdp.extensions import adopt_extensions
 from veragged.fsdp.group import ParamGroup, TrainingState
 from veragged.fsdp.log import log_root, module_name
@@ -481,6 +482,14 @@ class FSDPState:
                     g.post_backward(ctx)
         last = ctx.is_last_backward and not manual
         keep = [] if last else ctx.reducing
+        # Every reduction finishes first, leaving its verdict reads and offloaded copies
+        # started; one host wait then covers them all, not one per group
+        # ([Note: unreached parameters]).
+        groups = [g for state in reversed(ctx.all_states) for g in reversed(state.groups)]
+        for g in groups:
+            if g not in keep:
+                g.finish_reduce()
+        wait_all([r for g in groups for r in g.buffer.grads.pending_reads])
         for state in reversed(ctx.all_states):
             for g in reversed(state.groups):
                 g.end_backward(ctx, wait=g not in keep, last=last)

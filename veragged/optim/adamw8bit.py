@@ -26,7 +26,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from veragged.optim.blocks import absmax_layout
-from veragged.optim.common import GradPresence, check_grad_agreement, local, local_grads
+from veragged.optim.common import (
+    GradPresence,
+    check_grad_agreement,
+    consume_backward_verdicts,
+    local,
+    local_grads,
+)
 from veragged.optim.kernels import adamw8bit_multi_step_, dynamic_map, zero_code
 from veragged.placement.api import from_local
 from veragged.placement.layout import ragged_mesh_dim
@@ -174,6 +180,12 @@ class AdamW8bit(torch.optim.Optimizer):
             self._qmaps[device] = (dynamic_map(True, device), dynamic_map(False, device))
         return self._qmaps[device]
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's `zero_grad`; fully_shard's backward records of these parameters then serve
+        no later step ([Note: grad verdicts for optimizers], dbuffer/grads.py)."""
+        super().zero_grad(set_to_none)
+        consume_backward_verdicts(p for g in self.param_groups for p in g["params"])
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         loss = None
@@ -181,7 +193,7 @@ class AdamW8bit(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = [p for group in self.param_groups for p in group["params"]]
-        presence = GradPresence(params, self.grad_agreement)
+        presence = GradPresence(params, self.grad_agreement, type(self).__name__)
         grads = iter(local_grads(params, presence.verdicts()))
         for group in self.param_groups:
             launches: dict[tuple, _Launch] = {}  # (dtype, device) -> the 8-bit shards

@@ -13,11 +13,14 @@ reaches the same verdict:
 How the ranks agree (`GradPresence`, the optimizers' `grad_agreement`, default "auto"):
 - Plain tensors (one process, DDP-style replicas): each rank's own verdict, no communication.
 - DTensors declared symmetric (`declare_symmetric_grads`): their own verdict, no communication.
-  This is what `veragged.fully_shard`'s backward guarantees: every rank of the mesh, including
-  one holding none of a parameter, reads the same grad/None verdict from the reduce-scatter,
-  whatever each rank's data reached ([Note: unreached parameters]). (Not wired: fully_shard
-  does not declare its parameters, since a user may still drop gradients by hand on some
-  ranks; they take the all-reduce below.)
+- `veragged.fully_shard`'s parameters after a backward: the verdict that backward recorded, no
+  communication ([Note: grad verdicts for optimizers], dbuffer/grads.py). Every rank of the
+  mesh, including one holding none of a parameter, read the same grad/None verdict from the
+  reduce-scatter, whatever each rank's data reached ([Note: unreached parameters]). A record
+  serves one step (or ends at the optimizer's `zero_grad`); a `.grad` whose presence changed
+  by hand since that backward raises ValueError on that rank before any collective (ranks
+  may have changed it differently: `grad_agreement="mesh"` is for that), so no rank waits in
+  an all-reduce another rank skipped.
 - Other DTensors (`veragged.distribute_tensor`'d or torch's fully_shard parameters, gradients
   set by hand): one MAX all-reduce of one byte per parameter, all of a mesh's parameters in one
   tensor, over all the ranks of the parameters' own device mesh: the mesh dim's group when one
@@ -29,9 +32,9 @@ How the ranks agree (`GradPresence`, the optimizers' `grad_agreement`, default "
   its result is read (on a GPU, a host sync) only by a rank that lacks a gradient for one of
   those parameters: a rank that has one already knows the MAX is 1. Every rank waits for it at
   the end of the step (on NCCL a stream wait).
-`grad_agreement="mesh"` agrees over the mesh for every DTensor, declared or not (gradients
-dropped by hand on fully_shard parameters); `"local"` takes every rank's own verdict with no
-communication at all: the caller guarantees the symmetry (if it does not hold, shards of one
+`grad_agreement="mesh"` agrees over the mesh for every DTensor, declared, recorded or not
+(gradients dropped by hand on fully_shard parameters); `"local"` takes every rank's own verdict
+with no communication at all: the caller guarantees the symmetry (if it does not hold, shards of one
 parameter step differently and Muon's exchange may hang).
 """
 
@@ -44,9 +47,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from veragged.optim.pieces import domain_group
+from veragged.placement.tensor import GRAD_VERDICT
 from veragged.runtime.streams import mesh_device
 
-__all__ = ["GRAD_AGREEMENTS", "GradPresence", "declare_symmetric_grads", "local", "local_grads"]
+__all__ = ["GRAD_AGREEMENTS", "GradPresence", "consume_backward_verdicts",
+           "declare_symmetric_grads", "local", "local_grads"]
 
 GRAD_AGREEMENTS = ("auto", "mesh", "local")
 _SYMMETRIC = "_veragged_symmetric_grads"  # attribute set by `declare_symmetric_grads`
@@ -79,11 +84,13 @@ class GradPresence:
     answers, waiting only where this rank lacks a gradient; `finish()` waits for what is left.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], agreement: str = "auto"):
-        check_grad_agreement("GradPresence", agreement)
+    def __init__(self, params: Sequence[torch.Tensor], agreement: str = "auto",
+                 owner: str = "GradPresence"):
+        check_grad_agreement(owner, agreement)
         self._verdicts = [p.grad is not None for p in params]
         self._pending: list[tuple[list[int], torch.Tensor, object]] = []
         self._unread: list[int] = []  # indices into _pending whose result this rank needs
+        self._taken: list[tuple[object, int]] = []  # backward records this step consumes
         if agreement == "local":
             return
         buckets: dict = {}  # the mesh's group -> (mesh, param indices)
@@ -91,6 +98,8 @@ class GradPresence:
             if not isinstance(p, DTensor):
                 continue
             if agreement == "auto" and getattr(p, _SYMMETRIC, False):
+                continue
+            if agreement == "auto" and self._backward_verdict(owner, i, p):
                 continue
             mesh = p.device_mesh
             dims = tuple(d for d in range(mesh.ndim) if mesh.size(d) > 1)
@@ -109,6 +118,29 @@ class GradPresence:
                 self._unread.append(len(self._pending))
             self._pending.append((indices, mask, work))
 
+    def _backward_verdict(self, owner: str, i: int, p: torch.Tensor) -> bool:
+        """Whether parameter `i` takes the verdict fully_shard's last backward recorded
+        ([Note: grad verdicts for optimizers]): a record no step has used yet. Raises when this
+        rank's `.grad` no longer agrees with it."""
+        record = getattr(p, GRAD_VERDICT, None)
+        if record is None:
+            return False
+        source, j = record
+        if source.verdicts is None or j >= len(source.fresh) or not source.fresh[j]:
+            return False
+        if source.verdicts[j] != self._verdicts[i]:
+            had = "a gradient" if source.verdicts[j] else "no gradient"
+            now = "None" if source.verdicts[j] else "set"
+            raise ValueError(
+                f"{owner}: parameter {i} of the step (shape {list(p.shape)}): fully_shard's "
+                f"backward left it {had} on every rank, but its .grad is {now} on this rank "
+                "now. With grad_agreement='auto' the optimizer takes the backward's verdict "
+                "without communicating; gradients set or dropped by hand after backward (which "
+                "ranks may do differently) need grad_agreement='mesh'"
+            )
+        self._taken.append((source, j))
+        return True
+
     def verdicts(self) -> list[bool]:
         """Per parameter, True if some rank of its mesh has a gradient. Reads the all-reduce
         (a host sync on a GPU) only for meshes where this rank lacks a gradient."""
@@ -125,6 +157,22 @@ class GradPresence:
         for _, _, work in self._pending:
             work.wait()
         self._pending = []
+        consume_backward_verdicts_of(self._taken)
+        self._taken = []
+
+
+def consume_backward_verdicts_of(records) -> None:
+    """Mark backward records `(source, index)` used: the next step communicates unless another
+    backward records again ([Note: grad verdicts for optimizers])."""
+    for source, j in records:
+        if j < len(source.fresh):
+            source.fresh[j] = False
+
+
+def consume_backward_verdicts(params: Iterable[torch.Tensor]) -> None:
+    """The optimizers' `zero_grad`: the records of `params` serve no later step."""
+    consume_backward_verdicts_of(
+        r for r in (getattr(p, GRAD_VERDICT, None) for p in params) if r is not None)
 
 
 def local_grads(params: Sequence[torch.Tensor], mask: Sequence[bool]) -> list[torch.Tensor | None]:

@@ -47,7 +47,13 @@ import torch
 from torch.optim import Optimizer
 
 from veragged.dbuffer.ops import ALIGN_BYTES
-from veragged.optim.common import GradPresence, check_grad_agreement, local, local_grads
+from veragged.optim.common import (
+    GradPresence,
+    check_grad_agreement,
+    consume_backward_verdicts,
+    local,
+    local_grads,
+)
 from veragged.optim.exchange import Exchange, MatrixLayout, matrix_layout
 from veragged.optim.owner_state import OwnerResidence, residence
 from veragged.optim.owners import OwnerPlan, plan_owners
@@ -348,6 +354,12 @@ class MatrixOptimizer(Optimizer):
 
     # --- the step ------------------------------------------------------------------------------
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's `zero_grad`; fully_shard's backward records of these parameters then serve
+        no later step ([Note: grad verdicts for optimizers], dbuffer/grads.py)."""
+        super().zero_grad(set_to_none)
+        consume_backward_verdicts(p for g in self.param_groups for p in g["params"])
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -355,7 +367,7 @@ class MatrixOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = [p for g in self.param_groups for p in g["params"]]
-        presence = GradPresence(params, self.grad_agreement)
+        presence = GradPresence(params, self.grad_agreement, type(self).__name__)
         grads = dict(zip(map(id, params), local_grads(params, presence.verdicts())))
         self._start_step(grads)
         for group in self.param_groups:

@@ -45,9 +45,13 @@ from veragged.placement.torch_callers import refuse_torch_caller
 from veragged.runtime import caches
 
 __all__ = [
-    "RaggedDTensor", "RoutedDTensor", "accumulate_grads_locally", "as_ragged", "cached_spec",
-    "connect_layers", "make_spec", "routed",
+    "GRAD_VERDICT", "RaggedDTensor", "RoutedDTensor", "accumulate_grads_locally", "as_ragged",
+    "cached_spec", "connect_layers", "make_spec", "routed",
 ]
+
+# The attribute fully_shard's gradients record each backward's grad/None verdict in on a sharded
+# parameter, for the optimizers: [Note: grad verdicts for optimizers] (dbuffer/grads.py).
+GRAD_VERDICT = "_veragged_grad_verdict"
 
 # func -> how ops.py handles it (ops.py classifies each func on its first call); the class
 # answers metadata reads (kind META), the most frequent calls, itself.
