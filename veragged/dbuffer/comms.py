@@ -6,8 +6,9 @@ from its gradient buffer ([Note: DBuffer layout]). torch's FSDP2 instead stages 
 buffers from its comm object (`Comm.allocate`: `torch.empty` by default, the process group's
 allocator after `set_allocate_memory_from_process_group_for_comm`, symmetric memory after
 `set_symm_mem_for_comm`, the user's after `set_custom_all_gather` / `set_custom_reduce_scatter`).
-A DBuffer given such a comm (`all_gather_comm`, `reduce_scatter_comm`; `veragged/fsdp/comm_settings.py`
-sets them) stages that collective the same way, and only then pays the copies:
+A DBuffer given such a comm (`all_gather_comm`, `reduce_scatter_comm`;
+`veragged/fsdp/comm_settings.py` sets them) stages that collective the same way, and only then
+pays the copies:
 - all-gather: `comm.allocate((P * S,), dtype=param dtype, device=)`; this rank's slot of it is
   filled from the shard (cast in the same write) or from the chunk `reshard_after_forward=k` kept;
   `comm(output_tensor=staging, input_tensor=that slot, group=, async_op=True)` gathers in place (as

@@ -73,6 +73,7 @@ from torch.distributed.tensor import DTensor
 
 from veragged.dbuffer import comms, ops
 from veragged.dbuffer.grad_layout import FLAG_ALIGN_BYTES, GradLayout, plan_grad_layout
+from veragged.dbuffer.grad_moves import GradMoves
 from veragged.dbuffer.inflight import (
     HostCopy,
     InFlightReduce,
@@ -91,7 +92,7 @@ if TYPE_CHECKING:
 __all__ = ["Gradients"]
 
 
-class Gradients:
+class Gradients(GradMoves):
     """A DBuffer's gradients: the gradient buffer they land in and its layout, the reduction in
     flight and what it leaves pending, and the sharded gradients (views of one buffer) it
     writes. The DBuffer makes one (`buffer.grads`); this object alone writes these fields.
@@ -198,21 +199,6 @@ class Gradients:
         self._land_scale = 1.0
         self._zero = None
         self._partial = None
-
-    def rebind_moved(self, old: torch.Tensor | None, had_grad: Sequence[bool]) -> None:
-        """After `DBuffer._remake` (a new dtype or device, after `reset`): the sharded gradients
-        of the old shard gradient `old` copied into a new one, bound again to the parameters
-        that had one."""
-        if old is None or not any(had_grad):
-            return
-        self._shard_grad = self._new_shard_grad()
-        with torch.no_grad():
-            self._shard_grad.copy_(old)
-        for p, e, had, local in zip(self._params, self._entries, had_grad, self.layout.local):
-            if had:
-                with torch._C.DisableTorchFunctionSubclass():
-                    p.grad = self._view(e, self._shard_grad, local)
-        self._let_go()
 
     def _relayout(self, mask: Sequence[bool] | None, flags: bool) -> None:
         self.layout = plan_grad_layout(
@@ -358,38 +344,7 @@ class Gradients:
             mask = self.layout.mask  # its gradients stay in the full layout
         if mask == self.layout.mask and bool(flags) == self.layout.with_flags:
             return
-        self.finish_reduce()
-        self.resolve()
-        old = self.layout
-        old_flat = self.flat if self.allocated else None
-        old_partial, old_shard = self._partial, self._shard_grad
-        bound = [self._bound(p) for p in self._params]  # views of old_shard
-        self._relayout(mask, flags)
-        self.flat = torch.empty(self.layout.numel, dtype=self.reduce_dtype,
-                                device=self.compute_device)
-        keep = [i for i, (m, o) in enumerate(zip(mask, old.mask)) if m and o]  # room in both
-        pin = self._pin_memory
-        if old_flat is not None:  # gradients accumulating without sync: move them
-            moves = self.layout.moves_from(old, keep)
-            ops.zero_ranges_(self.flat, [(0, self.flat.numel())])
-            with torch.no_grad():
-                for src, dst, k in moves:
-                    self.flat[dst : dst + k].copy_(old_flat[src : src + k])
-        else:
-            free_storage(self.flat)
-        if old_partial is not None:
-            self._partial = self.layout.moved_slot(old_partial, old, keep, pin)
-        if old_shard is not None:
-            self._shard_grad = self.layout.moved_slot(old_shard, old, keep, pin)
-            for i, (p, e) in enumerate(zip(self._params, self._entries)):
-                if not bound[i]:
-                    continue
-                if mask[i]:
-                    p.grad = self._view(e, self._shard_grad, self.layout.local[i])
-                else:  # no room any more: the gradient keeps its values in its own memory
-                    a, b = old.local[i]
-                    p.grad = self._view(e, old_shard[a:b].clone(), (0, b - a))
-            self._let_go()
+        self._move_to_layout(mask, flags)
 
     # --- sharded gradients -------------------------------------------------------------------
 
@@ -536,8 +491,9 @@ class Gradients:
                 starts = None if comm is not None or lay.uniform else lay.starts
                 work = comms.reduce_scatter(comm, reduced, source,
                                             self.rs_group or self._group, starts)
-                rt.accesses("reduce_scatter", reads=(self._key("staged_grads" if comm else "grads"),),
-                          writes=(self._key("shard_grad" if direct else "reduced"),))
+                rt.accesses("reduce_scatter",
+                            reads=(self._key("staged_grads" if comm else "grads"),),
+                            writes=(self._key("shard_grad" if direct else "reduced"),))
                 handle = rt.handle(work)
         self._reduce = InFlightReduce(handle, source, temp, reduced, direct, accumulate, scale,
                                       all_reduce, unreached)
@@ -555,7 +511,8 @@ class Gradients:
             return source, source, None
         if comm is not None:  # staged in the comm's buffers, flags included
             lay = self.layout
-            self.rt.accesses("copy", reads=(self._key("grads"),), writes=(self._key("staged_grads"),))
+            self.rt.accesses("copy", reads=(self._key("grads"),),
+                             writes=(self._key("staged_grads"),))
             source = comms.stage(comm, source, self.world, max(lay.sizes) + lay.flags,
                                  None if lay.uniform else lay.starts)
             reduced = comms.allocate(comm, source.numel() // self.world, self.reduce_dtype,
