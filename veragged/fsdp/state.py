@@ -489,7 +489,9 @@ class FSDPState:
         for g in groups:
             if g not in keep:
                 g.finish_reduce()
-        wait_all([r for g in groups for r in g.buffer.grads.pending_reads])
+        reads = [r for g in groups for r in g.buffer.grads.pending_reads]
+        if reads:
+            wait_all(reads)
         for state in reversed(ctx.all_states):
             for g in reversed(state.groups):
                 g.end_backward(ctx, wait=g not in keep, last=last)
