@@ -484,10 +484,11 @@ class FSDPState:
         keep = [] if last else ctx.reducing
         # Every reduction finishes first, leaving its verdict reads and offloaded copies
         # started; one host wait then covers them all, not one per group
-        # ([Note: unreached parameters]).
+        # ([Note: unreached parameters]). (A group with a read already pending is left to
+        # `end_backward`: finishing it again would wait for that read first.)
         groups = [g for state in reversed(ctx.all_states) for g in reversed(state.groups)]
         for g in groups:
-            if g not in keep:
+            if g not in keep and not g.buffer.grads.pending_reads:
                 g.finish_reduce()
         reads = [r for g in groups for r in g.buffer.grads.pending_reads]
         if reads:
