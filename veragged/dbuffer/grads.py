@@ -46,19 +46,22 @@ output is). `set_to_none=False` and gradient accumulation across steps keep the 
 the buffer and its sums. A `.grad` the user replaced is not a view and does not count.
 
 [Note: grad verdicts for optimizers]
-Muon, Shampoo, SOAP and AdamW8bit must agree across a parameter's ranks whether it has a
-gradient ([Note: symmetric grad presence], optim/common.py), which costs them an all-reduce per
-step unless they know. After a backward under fully_shard they know: every rank read the same
-grad/None verdicts from the reduce-scatter ([Note: unreached parameters]). So when a backward
-iteration ends with nothing pending, each group's Gradients records, per tensor, whether its
-parameter has a gradient (`verdicts`, the same list on every rank) and puts `(gradients, i)` on
-the parameter (`GRAD_VERDICT`); with `grad_agreement="auto"` an optimizer takes a record no
-step has used yet (`fresh`) instead of the all-reduce, and its step (or its `zero_grad`) uses it
-up, so a later step without a backward agrees by the all-reduce again. A rank whose `.grad`
-presence no longer matches a fresh record (dropped or set by hand since the backward, or the
-module's `zero_grad()` before the step) raises before any collective of the step: the ranks may
-have changed it differently, and an all-reduce on some ranks only would pair with another
-collective on the others; `grad_agreement="mesh"` handles such gradients.
+Muon, Shampoo, SOAP and AdamW8bit must agree across a parameter's ranks whether it has a gradient
+([Note: symmetric grad presence], optim/common.py), which costs them an all-reduce per step unless
+they know. After a backward under fully_shard they know: every rank read the same grad/None
+verdicts from the reduce-scatter ([Note: unreached parameters]). So when a backward iteration ends
+with nothing pending, each group's Gradients records, per tensor, whether its parameter has a
+gradient (`verdicts`, the same list on every rank of the DBuffer's mesh: the flags travel over the
+shard ranks and, with HSDP, the replicas) and puts `(gradients, i)` on the parameter
+(`GRAD_VERDICT`), except where ranks of the parameter's mesh did not exchange them (a TP/EP
+parameter's other mesh dims, replicas with no shard dim), which keep the all-reduce; with
+`grad_agreement="auto"` an optimizer takes a record no step has used yet (`fresh`) instead of the
+all-reduce, and its step (or its `zero_grad`) uses it up, so a later step without a backward agrees
+by the all-reduce again. A rank whose `.grad` presence no longer matches a fresh record (dropped or
+set by hand since the backward, or the module's `zero_grad()` before the step) raises before any
+collective of the step: the ranks may have changed it differently, and an all-reduce on some ranks
+only would pair with another collective on the others; `grad_agreement="mesh"` handles such
+gradients.
 """
 
 from __future__ import annotations
@@ -699,13 +702,20 @@ class Gradients(GradMoves):
         """At the end of a backward iteration: note, per tensor, whether its parameter has a
         gradient, for the optimizers ([Note: grad verdicts for optimizers]); no record while
         a reduction or a verdict is still pending."""
-        if self._reduce is not None or self._pending is not None or self._landing is not None:
+        busy = self._reduce is not None or self._pending is not None or self._landing is not None
+        # The verdicts agree over the shard ranks (the flags) and the replicas (HSDP adds the
+        # flags in its all-reduce); replicas with no shard dim (DDP mode) carry no flags.
+        agreed = self.world > 1 or self._replicas == 1
+        if busy or not agreed:
             self.verdicts, self.fresh = None, []
             return
         self.verdicts = [p.grad is not None for p in self._params]
         self.fresh = [True] * len(self.verdicts)
-        for i, p in enumerate(self._params):
-            setattr(p, GRAD_VERDICT, (self, i))
+        for i, (p, e) in enumerate(zip(self._params, self._entries)):
+            # A TP/EP parameter's ranks on the other mesh dims run reductions of their own,
+            # whose verdicts may differ: it takes the all-reduce ([Note: FSDP over TP]).
+            if e.tp is None:
+                setattr(p, GRAD_VERDICT, (self, i))
 
     def resolve(self) -> list[bool]:
         """Write and bind what `finish_reduce(defer=True)` left pending: offloaded gradients
