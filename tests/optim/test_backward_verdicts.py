@@ -89,8 +89,22 @@ def _hand_changes():
     return out
 
 
+def _copies_after_backward():
+    """A recorded parameter still copies and pickles as before: the record is not on it."""
+    import copy
+    import io
+
+    net, _ = _make("auto")
+    net(_batch(0)).backward()
+    p = net.a.weight
+    buf = io.BytesIO()
+    torch.save(p, buf)
+    q = copy.deepcopy(p)
+    return torch.equal(q.to_local(), p.to_local()) and buf.tell() > 0
+
+
 def _job():
-    return _train("auto"), _train("mesh"), _hand_changes()
+    return _train("auto"), _train("mesh"), _hand_changes(), _copies_after_backward()
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +113,7 @@ def results():
 
 
 def test_auto_takes_the_backward_verdict_without_all_reduce(results):
-    for auto, mesh, _ in results:
+    for auto, mesh, *_ in results:
         assert auto["reduces"] == [0, 0, 0], auto["reduces"]
         assert all(n > 0 for n in mesh["reduces"]), mesh["reduces"]  # the presence all-reduce
         for a, b in zip(auto["params"], mesh["params"]):
@@ -107,12 +121,16 @@ def test_auto_takes_the_backward_verdict_without_all_reduce(results):
 
 
 def test_a_step_after_zero_grad_agrees_by_all_reduce(results):
-    for auto, _, _ in results:
+    for auto, *_ in results:
         assert auto["idle_reduces"] > 0 and auto["idle_unchanged"], auto
 
 
 def test_gradients_changed_by_hand_raise_before_any_collective(results):
-    for *_, hand in results:
+    for _, _, hand, _ in results:
         for how in ("drop", "module_zero_grad"):
             assert "grad_agreement='mesh'" in hand[how], hand
             assert "fully_shard's backward left it a gradient on every rank" in hand[how], hand
+
+
+def test_recorded_parameters_copy_and_pickle(results):
+    assert all(r[3] for r in results)

@@ -52,16 +52,16 @@ they know. After a backward under fully_shard they know: every rank read the sam
 verdicts from the reduce-scatter ([Note: unreached parameters]). So when a backward iteration ends
 with nothing pending, each group's Gradients records, per tensor, whether its parameter has a
 gradient (`verdicts`, the same list on every rank of the DBuffer's mesh: the flags travel over the
-shard ranks and, with HSDP, the replicas) and puts `(gradients, i)` on the parameter
-(`GRAD_VERDICT`), except where ranks of the parameter's mesh did not exchange them (a TP/EP
-parameter's other mesh dims, replicas with no shard dim), which keep the all-reduce; with
-`grad_agreement="auto"` an optimizer takes a record no step has used yet (`fresh`) instead of the
-all-reduce, and its step (or its `zero_grad`) uses it up, so a later step without a backward agrees
-by the all-reduce again. A rank whose `.grad` presence no longer matches a fresh record (dropped or
-set by hand since the backward, or the module's `zero_grad()` before the step) raises before any
-collective of the step: the ranks may have changed it differently, and an all-reduce on some ranks
-only would pair with another collective on the others; `grad_agreement="mesh"` handles such
-gradients.
+shard ranks and, with HSDP, the replicas) and registers itself for each parameter (`GRAD_VERDICTS`,
+by id, weakly: an attribute would travel with copies and pickles of the parameter), except where
+ranks of the parameter's mesh did not exchange them (a TP/EP parameter's other mesh dims, replicas
+with no shard dim), which keep the all-reduce; with `grad_agreement="auto"` an optimizer takes a
+record no step has used yet (`fresh`) instead of the all-reduce, and its step (or its `zero_grad`)
+uses it up, so a later step without a backward agrees by the all-reduce again. A rank whose `.grad`
+presence no longer matches a fresh record (dropped or set by hand since the backward, or the
+module's `zero_grad()` before the step) raises before any collective of the step: the ranks may
+have changed it differently, and an all-reduce on some ranks only would pair with another
+collective on the others; `grad_agreement="mesh"` handles such gradients.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ from veragged.dbuffer.inflight import (
     start_copy_to_host,
     start_read,
 )
-from veragged.placement.tensor import GRAD_VERDICT
+from veragged.placement.tensor import GRAD_VERDICTS
 from veragged.runtime import trace as tr
 from veragged.runtime.streams import free_storage, same_storage
 
@@ -163,6 +163,7 @@ class Gradients(GradMoves):
         # last backward ended (None: no record), and whether an optimizer may still take it.
         self.verdicts: list[bool] | None = None
         self.fresh: list[bool] = []
+        self._verdict_index: dict[int, int] = {}  # id(parameter) -> its index, as recorded
 
     def _key(self, name: str) -> tuple[int, str]:
         """The runtime's name of one of these buffers (the DBuffer's `key`)."""
@@ -711,11 +712,18 @@ class Gradients(GradMoves):
             return
         self.verdicts = [p.grad is not None for p in self._params]
         self.fresh = [True] * len(self.verdicts)
+        self._verdict_index = {}
         for i, (p, e) in enumerate(zip(self._params, self._entries)):
             # A TP/EP parameter's ranks on the other mesh dims run reductions of their own,
             # whose verdicts may differ: it takes the all-reduce ([Note: FSDP over TP]).
             if e.tp is None:
-                setattr(p, GRAD_VERDICT, (self, i))
+                GRAD_VERDICTS[id(p)] = self
+                self._verdict_index[id(p)] = i
+
+    def verdict_index(self, p: torch.Tensor) -> int | None:
+        """Parameter `p`'s index in the records (None: not one of these parameters)."""
+        i = self._verdict_index.get(id(p))
+        return i if i is not None and self._params[i] is p else None
 
     def resolve(self) -> list[bool]:
         """Write and bind what `finish_reduce(defer=True)` left pending: offloaded gradients

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from veragged.optim.pieces import domain_group
-from veragged.placement.tensor import GRAD_VERDICT
+from veragged.placement.tensor import GRAD_VERDICTS
 from veragged.runtime.streams import mesh_device
 
 __all__ = ["GRAD_AGREEMENTS", "GradPresence", "consume_backward_verdicts",
@@ -122,11 +122,9 @@ class GradPresence:
         """Whether parameter `i` takes the verdict fully_shard's last backward recorded
         ([Note: grad verdicts for optimizers]): a record no step has used yet. Raises when this
         rank's `.grad` no longer agrees with it."""
-        record = getattr(p, GRAD_VERDICT, None)
-        if record is None:
-            return False
-        source, j = record
-        if source.verdicts is None or j >= len(source.fresh) or not source.fresh[j]:
+        source = GRAD_VERDICTS.get(id(p))
+        j = None if source is None else source.verdict_index(p)
+        if j is None or source.verdicts is None or not source.fresh[j]:
             return False
         if source.verdicts[j] != self._verdicts[i]:
             had = "a gradient" if source.verdicts[j] else "no gradient"
@@ -171,8 +169,13 @@ def consume_backward_verdicts_of(records) -> None:
 
 def consume_backward_verdicts(params: Iterable[torch.Tensor]) -> None:
     """The optimizers' `zero_grad`: the records of `params` serve no later step."""
-    consume_backward_verdicts_of(
-        r for r in (getattr(p, GRAD_VERDICT, None) for p in params) if r is not None)
+    records = []
+    for p in params:
+        source = GRAD_VERDICTS.get(id(p))
+        j = None if source is None else source.verdict_index(p)
+        if j is not None:
+            records.append((source, j))
+    consume_backward_verdicts_of(records)
 
 
 def local_grads(params: Sequence[torch.Tensor], mask: Sequence[bool]) -> list[torch.Tensor | None]:

@@ -28,6 +28,7 @@ included.
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -45,13 +46,14 @@ from veragged.placement.torch_callers import refuse_torch_caller
 from veragged.runtime import caches
 
 __all__ = [
-    "GRAD_VERDICT", "RaggedDTensor", "RoutedDTensor", "accumulate_grads_locally", "as_ragged",
+    "GRAD_VERDICTS", "RaggedDTensor", "RoutedDTensor", "accumulate_grads_locally", "as_ragged",
     "cached_spec", "connect_layers", "make_spec", "routed",
 ]
 
-# The attribute fully_shard's gradients record each backward's grad/None verdict in on a sharded
-# parameter, for the optimizers: [Note: grad verdicts for optimizers] (dbuffer/grads.py).
-GRAD_VERDICT = "_veragged_grad_verdict"
+# id(sharded parameter) -> the object holding the grad/None verdict fully_shard's last backward
+# gave it (dbuffer/grads.py's `Gradients`, kept weakly), for the optimizers: [Note: grad
+# verdicts for optimizers]. Not an attribute of the parameter, which copies and pickles carry.
+GRAD_VERDICTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 # func -> how ops.py handles it (ops.py classifies each func on its first call); the class
 # answers metadata reads (kind META), the most frequent calls, itself.
