@@ -1,9 +1,10 @@
 """The optimizers take fully_shard's backward verdicts ([Note: grad verdicts for optimizers],
-veragged/dbuffer/grads.py): after a backward under `veragged.fully_shard`, Muon and AdamW8bit
-with the default `grad_agreement="auto"` issue no presence all-reduce, and step exactly as with
-`grad_agreement="mesh"` (which always all-reduces), with a layer one rank's forward skips (its gradient comes from the other rank).
-A `.grad` dropped by hand after backward raises before any collective; the optimizer's own
-`zero_grad` ends the record (a step without backward then agrees by the all-reduce)."""
+veragged/dbuffer/grads.py): after a backward under `veragged.fully_shard`, Muon and AdamW8bit with
+the default `grad_agreement="auto"` issue no presence all-reduce, and step exactly as with
+`grad_agreement="mesh"` (which always all-reduces), with a layer one rank's forward skips (its
+gradient comes from the other rank). A `.grad` dropped by hand after backward raises before any
+collective; the optimizer's own `zero_grad` ends the record (a step without backward then agrees by
+the all-reduce). Recorded parameters still deep-copy and pickle (the record is not on them)."""
 
 from __future__ import annotations
 
