@@ -453,3 +453,22 @@ def test_ddp_mode_policies_match_torch(policy):
         assert torch.equal(rn, n), (rn, n)
         for name in rp:
             assert torch.equal(rp[name], p[name]), name
+
+
+def _ddp_records():
+    """After a DDP-mode backward: no verdict record (the replicas exchange no verdict flags,
+    [Note: grad verdicts for optimizers]), so veragged's optimizers keep their presence
+    all-reduce (tests/optim/test_backward_verdicts.py: dp-sharded parameters get one)."""
+    from veragged.placement.tensor import GRAD_VERDICTS
+
+    model, mesh = _ddp_model("veragged", False)
+    _ddp_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), mesh, range(1))
+    model(DTensor.from_local(torch.randn(3, 16), mesh, [Replicate()],
+                             run_check=False)).to_local().square().mean().backward()
+    ddp = [GRAD_VERDICTS.get(id(p)) is not None for p in model.parameters()]
+    return ddp
+
+
+def test_ddp_mode_records_no_verdicts():
+    for ddp in get_pool(2).run(_ddp_records, timeout=120):
+        assert ddp and not any(ddp), ddp
