@@ -122,9 +122,11 @@ class GradPresence:
         """Whether parameter `i` takes the verdict fully_shard's last backward recorded
         ([Note: grad verdicts for optimizers]): a record no step has used yet. Raises when this
         rank's `.grad` no longer agrees with it."""
-        source = GRAD_VERDICTS.get(id(p))
-        j = None if source is None else source.verdict_index(p)
-        if j is None or source.verdicts is None or not source.fresh[j]:
+        record = _backward_record(p)
+        if record is None:
+            return False
+        source, j = record
+        if source.verdicts is None or not source.fresh[j]:
             return False
         if source.verdicts[j] != self._verdicts[i]:
             had = "a gradient" if source.verdicts[j] else "no gradient"
@@ -159,6 +161,14 @@ class GradPresence:
         self._taken = []
 
 
+def _backward_record(p: torch.Tensor) -> tuple[object, int] | None:
+    """`(gradients, index)` of fully_shard's record for parameter `p`, if it has one
+    ([Note: grad verdicts for optimizers])."""
+    source = GRAD_VERDICTS.get(id(p))
+    j = None if source is None else source.verdict_index(p)
+    return None if j is None else (source, j)
+
+
 def consume_backward_verdicts_of(records) -> None:
     """Mark backward records `(source, index)` used: the next step communicates unless another
     backward records again ([Note: grad verdicts for optimizers])."""
@@ -169,13 +179,7 @@ def consume_backward_verdicts_of(records) -> None:
 
 def consume_backward_verdicts(params: Iterable[torch.Tensor]) -> None:
     """The optimizers' `zero_grad`: the records of `params` serve no later step."""
-    records = []
-    for p in params:
-        source = GRAD_VERDICTS.get(id(p))
-        j = None if source is None else source.verdict_index(p)
-        if j is not None:
-            records.append((source, j))
-    consume_backward_verdicts_of(records)
+    consume_backward_verdicts_of(r for r in map(_backward_record, params) if r is not None)
 
 
 def local_grads(params: Sequence[torch.Tensor], mask: Sequence[bool]) -> list[torch.Tensor | None]:
