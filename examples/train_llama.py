@@ -49,6 +49,7 @@ element and the all-gathers of the first step. Not with `--tp` or `--ep` (refuse
 
 import argparse
 import datetime
+import gc
 import math
 import os
 import re
@@ -449,6 +450,7 @@ def main():
             flush=True,
         )
     t0, seen = time.perf_counter(), 0
+    loss = None
     for step in range(start, args.steps):
         loss = model.loss(batches(tokens, args.batch, args.seq, dp_rank, dp_world, step))
         loss.backward()
@@ -468,8 +470,13 @@ def main():
         done = step + 1
         if args.ckpt and (done == args.steps or args.ckpt_every and done % args.ckpt_every == 0):
             save_checkpoint(args.ckpt, done, model, opt, rank, args.keep, kill)
-    # No rank tears its process group down while a peer is still inside a collective (gloo
-    # aborts the process when that happens).
+    # Nothing may hold a process group when they are torn down: destroy_process_group then
+    # joins gloo's threads here, not at interpreter exit, where a gloo thread still releasing
+    # a collective's tensor dies taking the GIL and aborts the process (pytorch#117762; ~1 in
+    # 12 runs before). No rank tears its group down while a peer is still inside a collective
+    # (gloo aborts the process when that happens).
+    del model, opt, loss
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
