@@ -12,6 +12,7 @@ import math
 import os
 import pathlib
 import pickle
+import re
 import signal
 import time
 import traceback
@@ -97,9 +98,35 @@ def _exit_description(code: Optional[int]) -> str:
     return f"exit code {code}"
 
 
+def _report_cpp_crashes(tmpdir: str, rank: int) -> None:
+    """In a rank (torch imported): its stderr goes to a file in `tmpdir`, where torch prints the
+    C++ stacks of every thread on a fatal signal (`_read_stack` adds them to the report): a
+    crash in a thread without Python frames (gloo's workers) then shows where it happened."""
+    import torch
+
+    err = os.open(os.path.join(tmpdir, f"rank{rank}.stderr"),
+                  os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(err, 2)
+    os.close(err)
+    print_cpp_stacks = getattr(torch._C, "_set_print_stack_traces_on_fatal_signal", None)
+    if print_cpp_stacks is not None:
+        print_cpp_stacks(True)
+
+
+_CPP_CRASH = re.compile(r"^(terminate called|SIG[A-Z]+\(\d+\), PID)", re.MULTILINE)
+
+
 def _read_stack(tmpdir: str, rank: int) -> str:
+    """The rank's Python stacks (faulthandler's file) and, after a fatal signal, the C++ stacks
+    torch printed to the rank's stderr file (the pool's ranks write one), from the crash on."""
     path = pathlib.Path(tmpdir, f"rank{rank}.stack")  # absent if the rank never got started
-    return path.read_text(errors="replace").strip() if path.exists() else ""
+    text = path.read_text(errors="replace").strip() if path.exists() else ""
+    err = pathlib.Path(tmpdir, f"rank{rank}.stderr")
+    crash = _CPP_CRASH.search(err.read_text(errors="replace")) if err.exists() else None
+    if crash is not None:
+        lines = crash.string[crash.start():].splitlines()
+        text += "\n\nC++ stacks at the crash:\n" + "\n".join(lines[:400])
+    return text
 
 
 def _raise_failures(label: str, reports: list, pending: list[int], procs: list,

@@ -26,6 +26,7 @@ from tests.harness._procs import (
     _dump_stacks,
     _join_all,
     _raise_failures,
+    _report_cpp_crashes,
     _shutdown,
 )
 from tests.harness.device import backend_for, check_devices, enter_rank, rank_device_type, test_device
@@ -201,6 +202,7 @@ def _child_main(rank: int, config: tuple, job: bytes, tmpdir: str, writer) -> No
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    _report_cpp_crashes(tmpdir, rank)
     kind = "error"
     try:
         torch.set_num_threads(1)

@@ -43,6 +43,7 @@ from tests.harness._procs import (
     _die_with_parent,
     _dump_stacks,
     _raise_failures,
+    _report_cpp_crashes,
     _shutdown,
 )
 from tests.harness.device import backend_for, check_devices, enter_rank, test_device
@@ -280,6 +281,7 @@ def _worker_main(rank: int, config: tuple, jobs, reports) -> None:
     import torch
     import torch.distributed as dist
 
+    _report_cpp_crashes(tmpdir, rank)
     try:
         torch.set_num_threads(1)
         enter_rank(device, rank)

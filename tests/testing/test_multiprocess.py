@@ -156,6 +156,8 @@ def test_crashing_rank_reports_signal_and_stack(fresh):
         run_on_ranks(_segfault, 1, timeout=120, fresh=fresh)
     assert "killed by SIGSEGV" in info.value.failures[0]
     assert "_segfault" in info.value.failures[0]  # faulthandler's dump of the crash
+    if hasattr(torch._C, "_set_print_stack_traces_on_fatal_signal"):  # torch's C++ stacks
+        assert "C++ stacks at the crash:\nSIGSEGV(11)" in info.value.failures[0]
 
 
 @pytest.mark.parametrize("fresh", [False, True])
