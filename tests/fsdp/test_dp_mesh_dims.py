@@ -465,8 +465,7 @@ def _ddp_records():
     _ddp_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), mesh, range(1))
     model(DTensor.from_local(torch.randn(3, 16), mesh, [Replicate()],
                              run_check=False)).to_local().square().mean().backward()
-    ddp = [GRAD_VERDICTS.get(id(p)) is not None for p in model.parameters()]
-    return ddp
+    return [GRAD_VERDICTS.get(id(p)) is not None for p in model.parameters()]
 
 
 def test_ddp_mode_records_no_verdicts():

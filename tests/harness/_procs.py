@@ -118,7 +118,7 @@ _CPP_CRASH = re.compile(r"^(terminate called|SIG[A-Z]+\(\d+\), PID)", re.MULTILI
 
 def _read_stack(tmpdir: str, rank: int) -> str:
     """The rank's Python stacks (faulthandler's file) and, after a fatal signal, the C++ stacks
-    torch printed to the rank's stderr file (the pool's ranks write one), from the crash on."""
+    torch printed to the rank's stderr file (`_report_cpp_crashes`), from the crash on."""
     path = pathlib.Path(tmpdir, f"rank{rank}.stack")  # absent if the rank never got started
     text = path.read_text(errors="replace").strip() if path.exists() else ""
     err = pathlib.Path(tmpdir, f"rank{rank}.stderr")
